@@ -1,0 +1,3 @@
+"""eagle3-build: offline compile-and-package toolchain for EAGLE3 speculative decoding."""
+
+__version__ = "0.1.0"

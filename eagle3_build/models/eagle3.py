@@ -1,0 +1,104 @@
+"""EAGLE3 draft: one Llama decoder layer whose attention reads cat(embed, hidden) (2H wide).
+
+Per position i the draft pairs the target's aux state aux_i (3 target hidden states) with the
+embedding of the NEXT token t_{i+1}, at RoPE position i, and predicts t_{i+2}:
+
+    x   = fc(aux)                       [input_norm(aux) first if norm_before_fc]
+    en  = input_layernorm(embed(t_{i+1})); xn = hidden_norm(x)
+    r   = (xn if norm_before_residual else x) + o_proj(attn(cat[en, xn]))
+    out = r + mlp(post_attention_layernorm(r))
+    tok = argmax(lm_head(norm(out))) + d2t[argmax]          # d2t holds offsets into the target vocab
+Recurrent steps feed x = out (norm(out) if norm_output) and the previous draft token, position + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .llama import MLP, Attention, RMSNorm, Rope
+
+
+@dataclass(frozen=True)
+class Eagle3Args:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # target vocab (embedding rows)
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]  # input-of-layer (vLLM) semantics
+    norm_before_residual: bool
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    has_d2t: bool = True
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 8192
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, a: Eagle3Args):
+        super().__init__()
+        self.norm_before_residual = a.norm_before_residual
+        self.self_attn = Attention(2 * a.hidden_size, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, e, x, cos, sin, kv, rows, positions, prefill):
+        en, xn = self.input_layernorm(e), self.hidden_norm(x)
+        res = xn if self.norm_before_residual else x
+        h = res + self.self_attn(torch.cat([en, xn], dim=-1), cos, sin, kv, 0, rows, positions, prefill)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """Canonical weight names: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t,
+    embed_tokens.weight (the target's when the draft has none), input_norm.weight, fc_norm.{0,1,2}.weight."""
+
+    def __init__(self, a: Eagle3Args):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        if a.norm_before_fc:
+            self.input_norm = RMSNorm(3 * a.target_hidden_size, a.rms_norm_eps)
+        if a.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(a.target_hidden_size, a.rms_norm_eps) for _ in range(3))
+        self.fc = nn.Linear(3 * a.target_hidden_size, a.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(a)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
+        if a.has_d2t:
+            self.register_buffer("d2t", torch.empty(a.draft_vocab_size, dtype=torch.int64))
+        self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
+
+    def kv_shape(self, max_num_seqs: int, max_model_len: int) -> list[int]:
+        a = self.args
+        return [1, 2, max_num_seqs, a.num_kv_heads, max_model_len, a.head_dim]
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [.., 3*Ht] -> x [.., H]."""
+        if self.args.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.args.fc_norm:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+        return self.fc(aux)
+
+    def propose(self, out: torch.Tensor) -> torch.Tensor:
+        """Greedy draft token (target vocab id) from the layer output."""
+        idx = self.lm_head(self.norm(out)).argmax(dim=-1)
+        return idx + self.d2t[idx] if self.args.has_d2t else idx
+
+    def recurrent_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out) if self.args.norm_output else out
+
+    def forward(self, x, tokens, positions, kv, rows, prefill: bool):
+        e = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        return self.midlayer(e, x, cos, sin, kv, rows, positions, prefill)

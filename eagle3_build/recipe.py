@@ -1,0 +1,697 @@
+"""Recipe loading: YAML file -> validated, fully resolved :class:`Recipe`.
+
+A recipe pairs target models with EAGLE3 drafts (see ``recipes/*.yaml``).  ``load_recipe``
+collects every problem of a file and raises one :class:`RecipeError` listing them all, each with
+the file, the 1-based line, the dotted key path and what is allowed.  Nothing else escapes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .buckets import default_batch_buckets, default_prefill_buckets
+
+__all__ = [
+    "RecipeIssue",
+    "RecipeError",
+    "SourceSpec",
+    "Speculation",
+    "Serving",
+    "Parallel",
+    "Buckets",
+    "VerifySettings",
+    "PairRecipe",
+    "Recipe",
+    "load_recipe",
+    "select_pair",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("export", "aoti", "neuron")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+HF_RE = re.compile(r"hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?\Z")
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_SOURCE_FORMS = (
+    "a local checkpoint directory, hf://org/name[@revision], a path to a .gguf file, "
+    "or a mapping with keys source, gguf_file, allow_pickle"
+)
+_TOP_KEYS = ("defaults", "pairs")
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class RecipeIssue:
+    """One problem in a recipe file."""
+
+    file: str
+    line: int | None
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+class RecipeError(Exception):
+    """Every problem found in a recipe; ``str()`` gives one ``file:line: key: message`` per line."""
+
+    def __init__(self, errors: list[RecipeIssue]):
+        self.errors = list(errors)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return "\n".join(str(e) for e in self.errors)
+
+
+# --------------------------------------------------------------------------------- output models
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SourceSpec(_Frozen):
+    """A normalised model source (target or draft)."""
+
+    uri: str  # as written in the recipe
+    kind: Literal["local", "hf", "gguf"]
+    path: str | None = None  # absolute local path (for gguf: the .gguf file)
+    repo_id: str | None = None  # hf only
+    revision: str | None = None  # hf only, default "main"
+    gguf_file: str | None = None  # hf only: a .gguf file inside the repo
+    allow_pickle: bool = False
+
+
+class Speculation(_Frozen):
+    num_speculative_tokens: int
+
+
+class Serving(_Frozen):
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+class Parallel(_Frozen):
+    tp_degree: int = 1
+    padded_hidden_size: int | None = None
+
+
+class Buckets(_Frozen):
+    prefill: list[int]
+    batch: list[int]
+
+
+class VerifySettings(_Frozen):
+    min_acceptance_length: float | None = None
+    num_prompts: int = 4
+    max_tokens: int = 32
+
+
+class PairRecipe(_Frozen):
+    name: str
+    target: SourceSpec
+    draft: SourceSpec
+    dtype: Literal["float32", "bfloat16", "float16"]
+    speculation: Speculation
+    serving: Serving
+    parallel: Parallel
+    buckets: Buckets
+    backend: Literal["export", "aoti", "neuron"]
+    backend_options: dict[str, Any]
+    verify: VerifySettings
+
+
+class Recipe(_Frozen):
+    path: str  # absolute path of the recipe file
+    sha256: str  # of the file bytes
+    pairs: list[PairRecipe]
+
+
+# ------------------------------------------------------------------ input schema (what YAML holds)
+
+
+class _Raw(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _RawSource(_Raw):
+    source: str
+    gguf_file: str | None = None
+    allow_pickle: bool = False
+
+
+class _RawSpeculation(_Raw):
+    num_speculative_tokens: int = Field(ge=1)
+
+
+class _RawServing(_Raw):
+    max_num_seqs: int = Field(1, ge=1)
+    max_model_len: int = Field(ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+
+
+class _RawParallel(_Raw):
+    tp_degree: int = Field(1, ge=1)
+    padded_hidden_size: int | None = Field(None, ge=1)
+
+
+class _RawBuckets(_Raw):
+    prefill: list[int] | None = None
+    batch: list[int] | None = None
+
+
+class _RawVerify(_Raw):
+    min_acceptance_length: float | None = Field(None, ge=1)
+    num_prompts: int = Field(4, ge=0)
+    max_tokens: int = Field(32, ge=1)
+
+
+class _RawPair(_Raw):
+    name: str
+    target: Any  # checked by _resolve_source (str or mapping)
+    draft: Any
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    speculation: _RawSpeculation
+    serving: _RawServing
+    parallel: _RawParallel = _RawParallel()
+    buckets: _RawBuckets = _RawBuckets()
+    backend: Literal["export", "aoti", "neuron"] = "export"
+    backend_options: dict[str, Any] = Field(default_factory=dict)
+    verify: _RawVerify = _RawVerify()
+
+
+# -------------------------------------------------------------------------------- helpers
+
+
+def _fmt_key(path: tuple) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _desc(value: Any) -> str:
+    """Describe a YAML value with its YAML type, e.g. ``string '3'``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"float {value!r}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pos_int(v: Any) -> int | None:
+    return v if _is_int(v) and v >= 1 else None
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that validates the value at ``loc`` (None if not a model)."""
+    cur: Any = model
+    for part in loc:
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
+            return None
+        ann = cur.model_fields[part].annotation
+        cur = None
+        for cand in (ann, *typing.get_args(ann)):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                cur = cand
+                break
+    return cur if isinstance(cur, type) and issubclass(cur, BaseModel) else None
+
+
+def _pydantic_message(err: dict, model: type[BaseModel]) -> str:
+    typ = err["type"]
+    loc = tuple(err["loc"])
+    inp = err.get("input")
+    ctx = err.get("ctx") or {}
+    if typ == "extra_forbidden":
+        parent = _model_at(model, loc[:-1])
+        allowed = ", ".join(parent.model_fields) if parent else "none"
+        return f"unknown key {loc[-1]!r}; allowed keys: {allowed}"
+    if typ == "missing":
+        return "required key is missing"
+    if typ in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer, got {_desc(inp)}"
+    if typ in ("float_type", "float_parsing"):
+        return f"must be a number, got {_desc(inp)}"
+    if typ in ("bool_type", "bool_parsing"):
+        return f"must be true or false, got {_desc(inp)}"
+    if typ in ("string_type", "string_sub_type"):
+        return f"must be a string, got {_desc(inp)}"
+    if typ == "list_type":
+        return f"must be a list, got {_desc(inp)}"
+    if typ in ("dict_type", "model_type", "model_attributes_type"):
+        sub = _model_at(model, loc)
+        keys = f" with keys {', '.join(sub.model_fields)}" if sub else ""
+        return f"must be a mapping{keys}, got {_desc(inp)}"
+    if typ == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {_desc(inp)}"
+    if typ == "greater_than_equal":
+        return f"must be >= {ctx.get('ge')}, got {_desc(inp)}"
+    if typ == "greater_than":
+        return f"must be > {ctx.get('gt')}, got {_desc(inp)}"
+    return f"{err['msg']}, got {_desc(inp)}"
+
+
+# ------------------------------------------------------------------------------- YAML positions
+
+
+def _line_map(root: yaml.Node) -> dict[tuple, int]:
+    """Map each key path (str keys, int indices) to the 1-based line of its key / list item."""
+    lines: dict[tuple, int] = {(): root.start_mark.line + 1}
+    on_path: set[int] = set()
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        if id(node) in on_path or len(path) > 64:  # recursive aliases
+            return
+        on_path.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode):
+                    p = path + (k.value,)
+                    lines[p] = k.start_mark.line + 1
+                    walk(v, p)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[path + (i,)] = item.start_mark.line + 1
+                walk(item, path + (i,))
+        on_path.discard(id(node))
+
+    walk(root, ())
+    return lines
+
+
+def _duplicate_keys(root: yaml.Node) -> list[tuple[tuple, int, int]]:
+    """(path, first_line, dup_line) for every key repeated inside one mapping (before merges)."""
+    found: list[tuple[tuple, int, int]] = []
+    seen_nodes: set[int] = set()
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        if id(node) in seen_nodes:
+            return
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value != "<<":
+                    line = k.start_mark.line + 1
+                    if k.value in first:
+                        found.append((path + (k.value,), first[k.value], line))
+                    else:
+                        first[k.value] = line
+                    walk(v, path + (k.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    walk(root, ())
+    return found
+
+
+def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
+    """Line of ``path``, or of its closest enclosing key that exists in the file."""
+    for n in range(len(path), -1, -1):
+        p = path[:n]
+        if p in lines:
+            return lines[p]
+        alt = tuple(str(x) if _is_int(x) else x for x in p)  # int-looking mapping keys
+        if alt in lines:
+            return lines[alt]
+    return None
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if k in out and isinstance(out[k], dict) and isinstance(v, dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _origin(defaults: dict, pair: dict, pair_abs: tuple, rel: tuple) -> tuple:
+    """Document path that the merged value at ``rel`` (relative to the pair) came from."""
+    d: Any = defaults
+    p: Any = pair
+    dcur: tuple = ("defaults",)
+    pcur = pair_abs
+    for i, part in enumerate(rel):
+        p_has = isinstance(p, dict) and part in p
+        d_has = isinstance(d, dict) and part in d
+        if p_has and d_has and isinstance(p[part], dict) and isinstance(d[part], dict):
+            p, d = p[part], d[part]
+            pcur, dcur = pcur + (part,), dcur + (part,)
+            continue
+        if p_has or not d_has:
+            return pcur + rel[i:]  # pair value wins, or key missing: enclosing (pair) mapping
+        return dcur + rel[i:]
+    return pcur
+
+
+# ------------------------------------------------------------------------------------ sources
+
+
+def _resolve_source(value: Any, base_dir: Path, rel: tuple, add: Callable[..., None]) -> SourceSpec | None:
+    """Normalise one target/draft entry; reports problems through ``add`` and returns None if any."""
+    ok = True
+    if isinstance(value, str):
+        uri, gguf_file, allow_pickle, src_rel = value, None, False, rel
+    elif isinstance(value, dict):
+        try:
+            raw = _RawSource.model_validate(value)
+            uri, gguf_file, allow_pickle = raw.source, raw.gguf_file, raw.allow_pickle
+        except ValidationError as exc:
+            for err in exc.errors():
+                add(rel + tuple(err["loc"]), _pydantic_message(err, _RawSource))
+            # keep checking what is usable so that every problem is reported at once
+            uri, gguf_file, allow_pickle = value.get("source"), value.get("gguf_file"), False
+            if not isinstance(gguf_file, str):
+                gguf_file = None
+            ok = False
+        if not isinstance(uri, str):
+            return None
+        src_rel = rel + ("source",)
+    else:
+        add(rel, f"must be {_SOURCE_FORMS}; got {_desc(value)}")
+        return None
+
+    if gguf_file is not None and (not gguf_file.lower().endswith(".gguf") or gguf_file.startswith(("/", "\\"))):
+        add(rel + ("gguf_file",), f"must be the relative name of a .gguf file, got {gguf_file!r}")
+        ok = False
+    if not uri.strip():
+        add(src_rel, f"must not be empty; use {_SOURCE_FORMS}")
+        return None
+
+    if uri.startswith("hf://"):
+        m = HF_RE.match(uri)
+        if not m:
+            add(src_rel, f"malformed hf:// uri {uri!r}: must be hf://org/name or hf://org/name@revision")
+            return None
+        if not ok:
+            return None
+        return SourceSpec(
+            uri=uri,
+            kind="hf",
+            repo_id=f"{m.group(1)}/{m.group(2)}",
+            revision=m.group(3) or "main",
+            gguf_file=gguf_file,
+            allow_pickle=allow_pickle,
+        )
+
+    if _SCHEME_RE.match(uri):
+        add(src_rel, f"unsupported source {uri!r}: use a local path, hf://org/name[@revision] or a .gguf file")
+        return None
+
+    p = Path(os.path.expanduser(uri))
+    if not p.is_absolute():
+        p = base_dir / p
+    p = Path(os.path.abspath(p))
+    if gguf_file is not None:
+        if uri.lower().endswith(".gguf"):
+            add(rel + ("gguf_file",), "only allowed when source is a directory or an hf:// repo; source already names a .gguf file")
+            return None
+        if not p.is_dir():
+            add(src_rel, f"local directory {uri!r} does not exist (resolved to {p})")
+            return None
+        if not ok:
+            return None
+        f = p / gguf_file
+        if not f.is_file():
+            add(rel + ("gguf_file",), f"GGUF file {gguf_file!r} not found in {p}")
+            return None
+        return SourceSpec(uri=uri, kind="gguf", path=str(f), allow_pickle=allow_pickle)
+    if uri.lower().endswith(".gguf"):
+        if not p.is_file():
+            add(src_rel, f"GGUF file {uri!r} does not exist (resolved to {p})")
+            return None
+        return SourceSpec(uri=uri, kind="gguf", path=str(p), allow_pickle=allow_pickle) if ok else None
+    if not p.exists():
+        add(src_rel, f"local path {uri!r} does not exist (resolved to {p}; relative paths resolve against "
+                     "the recipe's directory); use an existing checkpoint directory, a .gguf file or hf://org/name[@revision]")
+        return None
+    if not p.is_dir():
+        add(src_rel, f"{uri!r} is a file; a local source must be a checkpoint directory or a .gguf file")
+        return None
+    return SourceSpec(uri=uri, kind="local", path=str(p), allow_pickle=allow_pickle) if ok else None
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
+    """Bucket list shape and their relation to serving limits (only on values of valid type)."""
+    k = _pos_int(_get(merged, "speculation", "num_speculative_tokens"))
+    mml = _pos_int(_get(merged, "serving", "max_model_len"))
+    serving = merged.get("serving") if isinstance(merged.get("serving"), dict) else {}
+    mns = _pos_int(serving.get("max_num_seqs", 1))
+    mnbt_raw = serving.get("max_num_batched_tokens")
+    mnbt = _pos_int(mnbt_raw)
+
+    if mml is not None and k is not None and mml <= k:
+        add(("serving", "max_model_len"), f"must be greater than speculation.num_speculative_tokens ({k}), got {mml}")
+    if mml is not None and mnbt is not None and mnbt > mml:
+        add(("serving", "max_num_batched_tokens"), f"must be <= serving.max_model_len ({mml}), got {mnbt}")
+
+    for kind in ("prefill", "batch"):
+        lst = _get(merged, "buckets", kind)
+        if not isinstance(lst, list) or not all(_is_int(b) for b in lst):
+            continue  # absent/null -> default; wrong types are reported by the schema
+        rel = ("buckets", kind)
+        if not lst:
+            add(rel, "must not be empty; give ascending positive integers or omit it for the defaults")
+            continue
+        good = True
+        for i, b in enumerate(lst):
+            if b < 1:
+                add(rel + (i,), f"buckets must be positive integers, got {b}")
+                good = False
+            elif i > 0 and b <= lst[i - 1]:
+                add(rel + (i,), f"buckets must be strictly ascending, got {b} after {lst[i - 1]}")
+                good = False
+            elif kind == "prefill" and mml is not None and b > mml:
+                add(rel + (i,), f"prefill bucket {b} exceeds serving.max_model_len ({mml})")
+        if not good:
+            continue
+        if kind == "batch" and mns is not None and lst[-1] < mns:
+            add(rel, f"largest batch bucket ({lst[-1]}) is smaller than serving.max_num_seqs ({mns}); add a bucket >= {mns}")
+
+    mal = _get(merged, "verify", "min_acceptance_length")
+    if k is not None and isinstance(mal, (int, float)) and not isinstance(mal, bool) and mal > k + 1:
+        add(("verify", "min_acceptance_length"),
+            f"can never be reached: acceptance length is at most K+1 = {k + 1}, got {mal}")
+
+
+def _build_pair(raw: _RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:
+    mml = raw.serving.max_model_len
+    mnbt = raw.serving.max_num_batched_tokens if raw.serving.max_num_batched_tokens is not None else mml
+    return PairRecipe(
+        name=raw.name,
+        target=target,
+        draft=draft,
+        dtype=raw.dtype,
+        speculation=Speculation(num_speculative_tokens=raw.speculation.num_speculative_tokens),
+        serving=Serving(max_num_seqs=raw.serving.max_num_seqs, max_model_len=mml, max_num_batched_tokens=mnbt),
+        parallel=Parallel(tp_degree=raw.parallel.tp_degree, padded_hidden_size=raw.parallel.padded_hidden_size),
+        buckets=Buckets(
+            prefill=list(raw.buckets.prefill) if raw.buckets.prefill is not None else default_prefill_buckets(mnbt),
+            batch=list(raw.buckets.batch) if raw.buckets.batch is not None else default_batch_buckets(raw.serving.max_num_seqs),
+        ),
+        backend=raw.backend,
+        backend_options=dict(raw.backend_options),
+        verify=VerifySettings(
+            min_acceptance_length=raw.verify.min_acceptance_length,
+            num_prompts=raw.verify.num_prompts,
+            max_tokens=raw.verify.max_tokens,
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None, list[RecipeIssue]]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None, []
+        dups = _duplicate_keys(node)
+        data = loader.construct_document(node)  # resolves merge keys (<<) in the node tree too
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        what = exc.problem or exc.context or "syntax error"
+        if exc.problem and exc.context:
+            ctx_line = f" started at line {exc.context_mark.line + 1}" if exc.context_mark else ""
+            what += f" ({exc.context}{ctx_line})"
+        raise RecipeError([RecipeIssue(file, mark.line + 1 if mark else None, "<yaml>", f"invalid YAML: {what}")]) from None
+    except yaml.YAMLError as exc:
+        raise RecipeError([RecipeIssue(file, None, "<yaml>", f"invalid YAML: {exc}")]) from None
+    finally:
+        loader.dispose()
+    dup_issues = [
+        RecipeIssue(file, line, _fmt_key(path), f"duplicate key (first given at line {first}); each key may appear once")
+        for path, first, line in dups
+    ]
+    return data, node, dup_issues
+
+
+def _load(path: Path, file: str) -> Recipe:
+    try:
+        data_bytes = path.read_bytes()
+    except FileNotFoundError:
+        raise RecipeError([RecipeIssue(file, None, "<file>", "recipe file not found")]) from None
+    except IsADirectoryError:
+        raise RecipeError([RecipeIssue(file, None, "<file>", "is a directory, expected a recipe .yaml file")]) from None
+    except OSError as exc:
+        raise RecipeError([RecipeIssue(file, None, "<file>", f"cannot read recipe file: {exc.strerror or exc}")]) from None
+    try:
+        text = data_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError([RecipeIssue(file, None, "<file>", f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
+
+    data, node, dup_issues = _parse_yaml(text, file)
+    if not isinstance(data, dict):
+        raise RecipeError([RecipeIssue(file, 1, "<root>",
+                                       f"the top level must be a mapping with keys {', '.join(_TOP_KEYS)}; got {_desc(data)}")])
+    lines = _line_map(node)
+    issues: list[RecipeIssue] = list(dup_issues)
+    base_dir = Path(os.path.abspath(path)).parent
+
+    for key in data:
+        if key not in _TOP_KEYS:
+            issues.append(RecipeIssue(file, _line_of(lines, (key,)), _fmt_key((key,)),
+                                      f"unknown top-level key; allowed keys: {', '.join(_TOP_KEYS)}"))
+
+    defaults = data.get("defaults")
+    if defaults is None:
+        defaults = {}
+    elif not isinstance(defaults, dict):
+        issues.append(RecipeIssue(file, _line_of(lines, ("defaults",)), "defaults",
+                                  f"must be a mapping of pair settings, got {_desc(defaults)}"))
+        defaults = {}
+
+    pairs = data.get("pairs")
+    if "pairs" not in data:
+        issues.append(RecipeIssue(file, lines[()], "pairs", "required key is missing: give a non-empty list of pairs"))
+        pairs = []
+    elif not isinstance(pairs, list):
+        issues.append(RecipeIssue(file, _line_of(lines, ("pairs",)), "pairs", f"must be a non-empty list of pairs, got {_desc(pairs)}"))
+        pairs = []
+    elif not pairs:
+        issues.append(RecipeIssue(file, _line_of(lines, ("pairs",)), "pairs", "must not be empty: give at least one pair"))
+
+    resolved: list[PairRecipe] = []
+    names: dict[str, tuple[int, int | None]] = {}
+    for i, item in enumerate(pairs):
+        pair_abs = ("pairs", i)
+        if not isinstance(item, dict):
+            issues.append(RecipeIssue(file, _line_of(lines, pair_abs), _fmt_key(pair_abs),
+                                      f"each entry of pairs must be a mapping, got {_desc(item)}"))
+            continue
+        merged = _deep_merge(defaults, item)
+        n_before = len(issues)
+
+        def add(rel: tuple, message: str, _item: dict = item, _pair_abs: tuple = pair_abs) -> None:
+            origin = _origin(defaults, _item, _pair_abs, rel)
+            if origin[0] == "defaults":
+                if message.startswith("required key is missing"):
+                    message += " (in a mapping given in defaults)"
+                else:
+                    message += " (from defaults)"
+            issues.append(RecipeIssue(file, _line_of(lines, origin), _fmt_key(_pair_abs + rel), message))
+
+        raw: _RawPair | None = None
+        try:
+            raw = _RawPair.model_validate(merged)
+        except ValidationError as exc:
+            for err in exc.errors():
+                loc = tuple(err["loc"])
+                if loc and loc[-1] == "[key]":  # a non-string key inside a free-form mapping
+                    add(loc[:-1], f"mapping keys must be strings, got {_desc(err.get('input'))}")
+                else:
+                    add(loc, _pydantic_message(err, _RawPair))
+
+        name = merged.get("name")
+        if isinstance(name, str):
+            if not NAME_RE.match(name):
+                add(("name",), f"invalid pair name {name!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
+                               "(it names the bundle directory artifacts/<name>)")
+            elif name in names:
+                j, first_line = names[name]
+                add(("name",), f"duplicate pair name {name!r} (already used by pairs[{j}] at line {first_line}); names must be unique")
+            else:
+                names[name] = (i, _line_of(lines, _origin(defaults, item, pair_abs, ("name",))))
+
+        sources = {}
+        for role in ("target", "draft"):
+            if role in merged:
+                sources[role] = _resolve_source(merged[role], base_dir, (role,), add)
+        _check_buckets(merged, add)
+
+        if raw is not None and len(issues) == n_before and all(sources.get(r) for r in ("target", "draft")):
+            resolved.append(_build_pair(raw, sources["target"], sources["draft"]))
+
+    if issues:
+        issues.sort(key=lambda x: (x.line is None, x.line or 0))
+        raise RecipeError(issues)
+    return Recipe(path=str(Path(os.path.abspath(path))), sha256=hashlib.sha256(data_bytes).hexdigest(), pairs=resolved)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Load, validate and resolve a recipe file; raises :class:`RecipeError` listing every problem."""
+    file = str(path)
+    try:
+        return _load(Path(path), file)
+    except RecipeError:
+        raise
+    except Exception as exc:  # never let a traceback reach the user
+        raise RecipeError([RecipeIssue(file, None, "<file>", f"could not load recipe: {type(exc).__name__}: {exc}")]) from None
+
+
+def select_pair(recipe: Recipe, name: str | None) -> list[PairRecipe]:
+    """All pairs for ``name=None``, else the one pair called ``name`` (RecipeError listing the names if unknown)."""
+    if name is None:
+        return list(recipe.pairs)
+    for pair in recipe.pairs:
+        if pair.name == name:
+            return [pair]
+    known = ", ".join(p.name for p in recipe.pairs) or "(none)"
+    raise RecipeError([RecipeIssue(recipe.path, None, "pair", f"unknown pair {name!r}; pairs in this recipe: {known}")])

@@ -1,0 +1,116 @@
+"""Load and validate a bundle: schema version, every file's sha256, weights bound per graph."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from .manifest import MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, sha256_file
+
+
+class BundleError(Exception):
+    """The bundle cannot be served; the message names the file and the fix."""
+
+
+def read_manifest(root: Path) -> Manifest:
+    path = root / MANIFEST
+    if not path.exists():
+        raise BundleError(f"{root}: no {MANIFEST}; not a bundle (build one with `eagle3-build compile RECIPE`)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path}: not valid JSON ({e}); the bundle is corrupt, rebuild it") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        raise BundleError(f"{path}: manifest schema version {version!r}, this runtime reads version "
+                          f"{SCHEMA_VERSION}; rebuild the bundle with a matching eagle3-build or use a "
+                          "matching runtime")
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise BundleError(f"{path}: invalid manifest at {loc}: {first['msg']}; rebuild the bundle") from None
+
+
+def verify_files(root: Path, manifest: Manifest) -> None:
+    for entry in manifest.all_files():
+        path = root / entry.path
+        if not path.is_file():
+            raise BundleError(f"{root}: {entry.path} is missing; the bundle is incomplete — rebuild or re-download it")
+        got = sha256_file(path)
+        if got != entry.sha256:
+            raise BundleError(f"{root}: {entry.path} is corrupt (sha256 {got[:12]}…, manifest says "
+                              f"{entry.sha256[:12]}…); rebuild or re-download the bundle")
+
+
+GraphFn = Callable[..., tuple]
+
+
+def load_graph_export(path: Path) -> GraphFn:
+    ep = torch.export.load(str(path))
+    return ep.module()
+
+
+LOADERS: dict[str, Callable[[Path], GraphFn]] = {"export": load_graph_export}
+
+
+@dataclass
+class Graph:
+    entry: GraphEntry
+    fn: GraphFn
+    weights: tuple[torch.Tensor, ...]
+    kv: torch.Tensor
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for spec, x in zip(self.entry.inputs, inputs):
+            if list(x.shape) != spec.shape:
+                raise ValueError(f"{self.entry.name}: input {spec.name} has shape {list(x.shape)}, "
+                                 f"the graph was built for {spec.shape}")
+        out = self.fn(self.weights, self.kv, *inputs)
+        return out if isinstance(out, tuple) else tuple(out)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+class Bundle:
+    """A validated bundle with its graphs loaded and weights bound (one rank)."""
+
+    def __init__(self, root: str | Path, *, rank: int = 0, verify: bool = True):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise BundleError(f"{self.root}: no such bundle directory")
+        self.manifest = m = read_manifest(self.root)
+        if verify:
+            verify_files(self.root, m)
+        if m.backend not in LOADERS:
+            raise BundleError(f"{self.root}: backend {m.backend!r} cannot be served by this runtime "
+                              f"(available: {', '.join(LOADERS)})")
+        self.rank = rank
+        self.weights: dict[str, torch.Tensor] = {}
+        for name, model in m.models.items():
+            for k, v in load_file(self.root / model.weight_files[rank].path).items():
+                self.weights[f"{name}/{k}"] = v
+        self.state = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in m.state}
+        loader = LOADERS[m.backend]
+        self.graphs: dict[tuple[str, int], Graph] = {}
+        for g in m.graphs:
+            missing = [w for w in g.weights if w not in self.weights]
+            if missing:
+                raise BundleError(f"{self.root}: graph {g.name} needs weights {missing[:3]} that no weight file "
+                                  "holds; the bundle is inconsistent — rebuild it")
+            self.graphs[(g.role, g.bucket)] = Graph(g, loader(self.root / g.file.path),
+                                                    tuple(self.weights[w] for w in g.weights), self.state[g.state])
+
+    def graph(self, role: str, bucket: int) -> Graph:
+        try:
+            return self.graphs[(role, bucket)]
+        except KeyError:
+            raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}") from None

@@ -1,0 +1,48 @@
+"""eagle3-run BUNDLE --prompt TEXT --max-tokens N [--no-spec] [--json]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .bundle import Bundle, BundleError
+from .engine import Engine, RequestError
+from .tokenizer import BundleTokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3-run", description="Generate from an eagle3-build bundle.")
+    ap.add_argument("bundle", help="bundle directory (artifacts/<pair name>)")
+    ap.add_argument("--prompt", required=True, help="prompt text (tokenized as the target's tokenizer does)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = ap.parse_args(argv)
+    try:
+        bundle = Bundle(args.bundle)
+        tok = BundleTokenizer(bundle.root)
+        engine = Engine(bundle)
+        prompt_ids = tok.encode(args.prompt)
+        gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
+    except (BundleError, RequestError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = tok.decode(gen.token_ids)
+    n = len(gen.token_ids)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids,
+                          "text": text, "finish_reason": gen.finish_reason, "speculative": not args.no_spec,
+                          "num_speculative_tokens": engine.K, "target_passes": gen.target_passes,
+                          "seconds": gen.seconds, "tokens_per_second": n / gen.seconds if gen.seconds else 0.0,
+                          "spec_decoding": gen.stats.to_dict()}))
+    else:
+        print(text)
+        print(f"\n[{n} tokens in {gen.seconds:.2f}s, {n / gen.seconds:.1f} tok/s, {gen.target_passes} target passes, "
+              f"finish_reason={gen.finish_reason}]", file=sys.stderr)
+        if not args.no_spec:
+            print(gen.stats.format(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a console entry point of this project in a fresh process (the way users run it)."""
+    exe = {"eagle3-build": "eagle3_build.cli", "eagle3-run": "eagle3_runtime.cli"}[args[0]]
+    code = f"import sys; from {exe} import main; sys.argv[0] = {args[0]!r}; sys.exit(main())"
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-c", code, *args[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+class TinyBundles:
+    """Builds tiny pairs + bundles once per session, keyed by (draft format, K)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.built: dict[tuple[str, int], tuple[Path, Path]] = {}
+
+    def get(self, fmt: str, k: int) -> tuple[Path, Path]:
+        """-> (pair dir with target/ draft/ recipe.yaml, bundle dir)"""
+        key = (fmt, k)
+        if key not in self.built:
+            pair = self.root / f"{fmt}-k{k}"
+            r = run_cli("eagle3-build", "make-tiny-pair", str(pair), "--draft-format", fmt, "-k", str(k))
+            assert r.returncode == 0, r.stderr
+            out = self.root / "artifacts" / f"{fmt}-k{k}"
+            r = run_cli("eagle3-build", "compile", str(pair / "recipe.yaml"), "--out", str(out))
+            assert r.returncode == 0, r.stdout + r.stderr
+            self.built[key] = (pair, out)
+        return self.built[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_bundles(tmp_path_factory) -> TinyBundles:
+    return TinyBundles(tmp_path_factory.mktemp("tiny"))
