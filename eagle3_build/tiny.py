@@ -23,6 +23,11 @@ complement) and the target's lm_head favours draft-vocabulary tokens slightly (r
 text mostly lives inside the draft vocabulary. Without that, a random 256-of-512 draft vocabulary caps
 the draft's hit rate at ~50% of the already imperfect ``f∘f`` rate.
 
+Measured (seeds 0-9, greedy, text prompts): the target follows ``f`` on 71-87% of steps; the draft's
+first step proposes the target's token two ahead on 52-75% of positions (seed 0: 85% / 73%).
+Recurrent draft steps (2..K) carry the step-1 state forward and mostly repeat its guess, so they are
+nearly always rejected: with K=3 the acceptance length is mostly 1 or 2 (mean ~1.9 for seed 0).
+
 No global RNG state is touched: all randomness comes from one seeded ``torch.Generator``.
 """
 
@@ -35,6 +40,7 @@ import torch
 
 __all__ = [
     "DRAFT_FORMATS",
+    "EFFECTIVE_AUX_IDS",
     "TINY_CORPUS",
     "SPECIAL_TOKENS",
     "make_tiny_pair",
@@ -69,15 +75,19 @@ DRAFT_ROPE_THETA = 10000.0
 DEFAULT_AUX_IDS = (2, N_LAYERS // 2, N_LAYERS - 3)
 # SpecForge/SGLang semantics (output of layer k); effective vLLM ids are these + 1 = (1, 4, 6)
 SPECFORGE_AUX_IDS = (0, 3, 5)
+# effective aux ids (input of target layer k) per draft format
+EFFECTIVE_AUX_IDS = {
+    "eagle": DEFAULT_AUX_IDS,
+    "speculators": DEFAULT_AUX_IDS,
+    "specforge": tuple(k + 1 for k in SPECFORGE_AUX_IDS),
+}
 
-# --- weight scales (tuned: see tests/test_tiny.py for the measured rates) -------------------------
+# --- weight scales (tuned: f-rate ~0.71-0.87, draft first-step hit ~0.52-0.75 over seeds 0-9) ---
 _EMBED_STD = 1.0
-_LAYER_STD = 0.08
-_ATTN_STD = None  # q/k/v/o std, None -> _LAYER_STD
-_MLP_STD = None  # gate/up std, None -> _LAYER_STD
-_OUT_STD = None  # o_proj/down_proj std
-_TARGET_DRAFT_VOCAB_GAIN = 1.0
-_BLOCK_PERM = True
+_LAYER_STD = 0.08  # target q/k/v/gate/up
+_OUT_STD = 0.18  # target o_proj/down_proj: sets how much context perturbs the residual stream
+_CLOSED_DRAFT_VOCAB = True  # perm maps the draft vocab onto itself (see module docstring)
+_TARGET_DRAFT_VOCAB_GAIN = 1.2  # target lm_head rows of draft-vocab tokens are scaled by this
 _DRAFT_FC_NOISE = 0.01
 _DRAFT_LAYER_STD = 0.02
 
@@ -87,7 +97,6 @@ BOS, EOS, EOT = SPECIAL_TOKENS
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|start_header|>' if false else '' }}"
     "{{ message['role'] }}\n\n{{ message['content'] | trim }}<|eot_id|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant\n\n{% endif %}"
@@ -188,7 +197,10 @@ def tiny_structure(seed: int = 0) -> dict:
     in_d[ids] = True
     # perm: random, mapping the draft vocab onto itself and the rest onto the rest
     perm = torch.empty(VOCAB, dtype=torch.int64)
-    blocks = (ids, torch.nonzero(~in_d).flatten()) if _BLOCK_PERM else (torch.arange(VOCAB),)
+    if _CLOSED_DRAFT_VOCAB:
+        blocks = (ids, torch.nonzero(~in_d).flatten())
+    else:
+        blocks = (torch.arange(VOCAB),)
     for block in blocks:
         perm[block] = block[torch.randperm(len(block), generator=g)]
     perm_inv = torch.empty_like(perm)
@@ -199,17 +211,15 @@ def tiny_structure(seed: int = 0) -> dict:
 
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     q_out, kv_out = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
-    astd = _LAYER_STD if _ATTN_STD is None else _ATTN_STD
-    mstd = _LAYER_STD if _MLP_STD is None else _MLP_STD
-    ostd = _LAYER_STD if _OUT_STD is None else _OUT_STD
+    std, ostd = _LAYER_STD, _OUT_STD
     for li in range(N_LAYERS):
         p = f"model.layers.{li}."
-        t[p + "self_attn.q_proj.weight"] = _randn(g, q_out, HIDDEN, std=astd)
-        t[p + "self_attn.k_proj.weight"] = _randn(g, kv_out, HIDDEN, std=astd)
-        t[p + "self_attn.v_proj.weight"] = _randn(g, kv_out, HIDDEN, std=astd)
+        t[p + "self_attn.q_proj.weight"] = _randn(g, q_out, HIDDEN, std=std)
+        t[p + "self_attn.k_proj.weight"] = _randn(g, kv_out, HIDDEN, std=std)
+        t[p + "self_attn.v_proj.weight"] = _randn(g, kv_out, HIDDEN, std=std)
         t[p + "self_attn.o_proj.weight"] = _randn(g, HIDDEN, q_out, std=ostd)
-        t[p + "mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=mstd)
-        t[p + "mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=mstd)
+        t[p + "mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=std)
+        t[p + "mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=std)
         t[p + "mlp.down_proj.weight"] = _randn(g, HIDDEN, INTERMEDIATE, std=ostd)
         t[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
         t[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
@@ -388,8 +398,8 @@ def _save_safetensors(sd: dict[str, torch.Tensor], path: Path) -> None:
 def _write_recipe(path: Path, fmt: str, *, dtype: str, k: int, max_model_len: int) -> None:
     if fmt == "eagle":
         draft = (
-            "    # the official EAGLE checkpoint is a pickle (pytorch_model.bin): loading it runs\n"
-            "    # torch.load, so the recipe must opt in explicitly (weights_only=True is still used)\n"
+            "    # the official EAGLE format is a pickle (pytorch_model.bin, torch.save): loading it needs\n"
+            "    # torch.load, which the build only does when the recipe opts in explicitly\n"
             "    draft: {source: ./draft, allow_pickle: true}\n"
         )
     else:
