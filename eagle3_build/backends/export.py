@@ -15,6 +15,7 @@ def version() -> str:
 
 def compile_graph(module: torch.nn.Module, example_args: tuple, out: Path) -> dict:
     ep = torch.export.export(module, example_args, strict=False)
+    ep.example_inputs = None  # would embed the (weight-sized) example inputs in the file
     torch.export.save(ep, out)
     return {"format": "torch.export", "torch": torch.__version__}
 
