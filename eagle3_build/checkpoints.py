@@ -113,7 +113,7 @@ def resolve(spec: SourceSpec, role: str) -> ResolvedSource:
     except LocalEntryNotFoundError as e:
         raise CheckpointError(
             f"{role} {spec.uri}: not in the local Hugging Face cache and the hub cannot be reached "
-            f"({type(e).__name__}); download it once (huggingface-cli download {spec.repo_id} "
+            f"({type(e).__name__}); download it once (hf download {spec.repo_id} "
             f"--revision {spec.revision}) or point the recipe at a local directory") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

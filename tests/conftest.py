@@ -8,11 +8,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
     """Run a console entry point of this project in a fresh process (the way users run it)."""
     exe = {"eagle3-build": "eagle3_build.cli", "eagle3-run": "eagle3_runtime.cli"}[args[0]]
     code = f"import sys; from {exe} import main; sys.argv[0] = {args[0]!r}; sys.exit(main())"
-    env = dict(os.environ, COLUMNS="200")
+    env = dict(os.environ, COLUMNS="200", **(env or {}))
     return subprocess.run([sys.executable, "-c", code, *args[1:]], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -1,0 +1,33 @@
+# Dev/CI entry points. Everything installs into .venv (torch pinned to the local 2.13.0 CPU wheel).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test test-all demo clean
+
+$(BIN)/.installed: requirements-dev.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+setup: $(BIN)/.installed
+
+# the default test run (what CI runs)
+test: setup
+	$(BIN)/python -m pytest -q
+
+# everything, slow tests included
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# main job: build a tiny target+EAGLE3 pair into a bundle and generate from it
+demo: setup
+	$(BIN)/eagle3-build make-tiny-pair artifacts/tiny-pair --draft-format speculators
+	$(BIN)/eagle3-build compile artifacts/tiny-pair/recipe.yaml
+	$(BIN)/eagle3-build inspect artifacts/tiny-llama-speculators
+	$(BIN)/eagle3-run artifacts/tiny-llama-speculators --prompt "The quick brown fox" --max-tokens 48
+
+clean:
+	rm -rf $(VENV) artifacts/*/ .pytest_cache
