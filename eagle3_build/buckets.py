@@ -6,6 +6,8 @@ This module is the single implementation of the default bucket lists; everything
 
 from __future__ import annotations
 
+from eagle3_runtime.buckets import pick_bucket  # noqa: F401  (routing lives with the runtime)
+
 
 def default_prefill_buckets(max_num_batched_tokens: int) -> list[int]:
     """Powers of two from 128 strictly below ``max_num_batched_tokens``, then that value itself.
@@ -38,9 +40,3 @@ def default_batch_buckets(max_num_seqs: int) -> list[int]:
         b *= 2
     buckets.append(max_num_seqs)
     return buckets
-
-
-def pick_bucket(buckets: list[int], n: int) -> int | None:
-    """Smallest bucket >= ``n``, or ``None`` when ``n`` exceeds every bucket (callers must refuse)."""
-    fitting = [b for b in buckets if b >= n]
-    return min(fitting) if fitting else None

@@ -147,14 +147,20 @@ def make_tiny_pair_cmd(
     k: int = typer.Option(3, "-k", "--num-speculative-tokens"),
     max_model_len: int = typer.Option(256, "--max-model-len"),
     dtype: str = typer.Option("float32", "--dtype"),
+    target_format: str = typer.Option("hf", "--target-format", help="hf | gguf (the recipe then uses target.gguf)"),
 ):
     """Write a random tiny Llama target, a tiny EAGLE3 draft and a recipe for them."""
-    from .tiny import DRAFT_FORMATS, make_tiny_pair
+    from .tiny import DRAFT_FORMATS, TARGET_FORMATS, make_tiny_pair
 
     if draft_format not in DRAFT_FORMATS:
         fail(f"--draft-format {draft_format!r}: choose one of {', '.join(DRAFT_FORMATS)}")
-    recipe = make_tiny_pair(directory, draft_format=draft_format, seed=seed, num_speculative_tokens=k,
-                            max_model_len=max_model_len, dtype=dtype)
+    if target_format not in TARGET_FORMATS:
+        fail(f"--target-format {target_format!r}: choose one of {', '.join(TARGET_FORMATS)}")
+    try:
+        recipe = make_tiny_pair(directory, draft_format=draft_format, seed=seed, num_speculative_tokens=k,
+                                max_model_len=max_model_len, dtype=dtype, target_format=target_format)
+    except ValueError as e:
+        fail(str(e))
     console.print(f"wrote {recipe}", highlight=False)
 
 

@@ -6,7 +6,11 @@
   llama3 rope scaling, untied lm_head) + a byte-level BPE tokenizer with Llama-3 style specials;
 * ``out_dir/draft/``   an EAGLE3 draft in one of the three on-disk formats of REFERENCE §2
   (``"eagle"``: SafeAILab ``pytorch_model.bin``; ``"speculators"``: RedHatAI; ``"specforge"``: SGLang);
-* ``out_dir/recipe.yaml`` a build recipe pointing at both.
+* ``out_dir/recipe.yaml`` a build recipe pointing at both;
+* with ``target_format="gguf"`` also ``out_dir/target.gguf`` (``write_gguf``: llama.cpp layout, F32),
+  which the recipe then names as its target. That target has plain rope (``rope_scaling=False``):
+  transformers' GGUF loader reads no llama3 rope scaling for ``llama``, so ``write_gguf`` refuses it.
+  Plain rope barely changes the structure (seed 0: the target follows ``f`` on 87% vs 85% of steps).
 
 The weights are "structured random" so that the draft is useful but imperfect:
 

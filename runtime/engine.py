@@ -17,15 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .buckets import pick_bucket
 from .bundle import Bundle
 
 
 class RequestError(ValueError):
     """A request this bundle cannot serve (the message has the numbers)."""
-
-
-def pick_bucket(buckets: list[int], n: int) -> int | None:
-    return next((b for b in buckets if b >= n), None)
 
 
 @dataclass

@@ -43,3 +43,31 @@ def test_hf_sources_resolve_and_record_revision(tmp_path):
     assert r.returncode == 2
     assert "hf://tiny-org/missing" in r.stderr and "Traceback" not in r.stderr
     assert not out2.exists()
+
+
+def test_gguf_target_lossless(tmp_path):
+    """A GGUF target (dequantized through transformers + gguf) builds and decodes like transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+    from eagle3_runtime.tokenizer import BundleTokenizer
+
+    pair = tmp_path / "pair"
+    r = run_cli("eagle3-build", "make-tiny-pair", str(pair), "--target-format", "gguf", "--draft-format", "specforge")
+    assert r.returncode == 0, r.stderr
+    assert "target: ./target.gguf" in (pair / "recipe.yaml").read_text()
+    out = tmp_path / "bundle"
+    r = run_cli("eagle3-build", "compile", str(pair / "recipe.yaml"), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["sources"]["target"]["kind"] == "gguf" and m["sources"]["target"]["gguf_file"] == "target.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(pair, gguf_file="target.gguf", dtype=torch.float32)
+    engine, tok = Engine(Bundle(out)), BundleTokenizer(out)
+    for prompt in ("The quick brown fox", "Once upon a time"):
+        ids = tok.encode(prompt)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        got = engine.generate(ids, 32)
+        assert got.token_ids == ref
+        assert got.stats.num_accepted_tokens > 0

@@ -1,0 +1,34 @@
+"""plan and inspect."""
+import json
+from pathlib import Path
+
+from conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_plan_seed_llama():
+    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / "llama31-8b-eagle3.yaml"), "--json")
+    assert r.returncode == 0, r.stderr
+    (plan,) = json.loads(r.stdout)
+    assert plan["tp_degree"] == 8 and plan["num_speculative_tokens"] == 3
+    names = [g["name"] for g in plan["graphs"]]
+    # prefill 128..2048 for both models, batch buckets 1 and 2 for the four batch roles
+    assert len(names) == 5 * 2 + 2 * 4
+    verify = {g["name"]: g for g in plan["graphs"]}["target_verify_b2"]
+    assert verify["tokens_per_call"] == 2 * 4
+
+
+def test_plan_seed_gpt_oss_table():
+    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / "gpt-oss-120b-eagle3.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert "target_prefill_s512" in r.stdout and "target_verify_b1" in r.stdout and "6 graphs" in r.stdout
+
+
+def test_inspect(tiny_bundles):
+    _, bundle_dir = tiny_bundles.get("speculators", 3)
+    r = run_cli("eagle3-build", "inspect", str(bundle_dir))
+    assert r.returncode == 0, r.stderr
+    assert "target_verify_b1" in r.stdout and "K 3" in r.stdout and "draft format speculators" in r.stdout
+    r = run_cli("eagle3-build", "inspect", str(bundle_dir.parent / "nope"))
+    assert r.returncode == 2 and "not a bundle" in " ".join(r.stderr.split())
