@@ -6,6 +6,7 @@ into place only when complete, so a failed build never leaves a half-written bun
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -27,9 +28,12 @@ from .backends import get_backend
 from .checkpoints import (DraftCheckpoint, TargetCheckpoint, load_draft, load_target, resolve)
 from .errors import UserError
 from .graphs import OUTPUT_NAMES, GraphSpec, build_graph_module, plan_graphs, step_inputs
+from .graphs import model_weight_names
+from .models.eagle3 import draft_layout
+from .models.llama import llama_layout
 from .pair import build_draft, build_target, check_pair, check_target
 from .recipe import PairRecipe
-from .sharding import write_rank_files
+from .sharding import check_tp, tensor_plan, write_rank_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,9 +67,6 @@ Progress = Callable[[str, GraphSpec | None, int, int], None]
 def build_bundle(pair: PairRecipe, out: Path, progress: Progress | None = None) -> Manifest:
     """Build one pair into `out` (replaced atomically). Returns the manifest written."""
     progress = progress or (lambda *a: None)
-    if pair.parallel.tp_degree != 1:
-        raise UserError(f"pair {pair.name}: tp_degree {pair.parallel.tp_degree} is not supported by this build "
-                        "yet (TP 1 only); `eagle3-build plan` lists its graphs")
     backend = get_backend(pair.backend)
     progress("load", None, 0, 0)
     lp = load_pair(pair)
@@ -91,71 +92,92 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
+def layouts(pair: PairRecipe, t: TargetCheckpoint, d: DraftCheckpoint):
+    """Target and draft layouts for the recipe's tp degree and hidden padding (refusing what cannot fit)."""
+    tp, Hp = pair.parallel.tp_degree, pair.parallel.padded_hidden_size
+    check_tp("target", t.args.num_heads, t.args.num_kv_heads, tp)
+    check_tp("draft", d.args.num_heads, d.args.num_kv_heads, tp)
+    if Hp is not None:
+        if Hp < t.args.hidden_size:
+            raise UserError(f"parallel.padded_hidden_size {Hp} is smaller than the target hidden size "
+                            f"{t.args.hidden_size}")
+        if d.args.hidden_size != t.args.hidden_size:
+            raise UserError(f"parallel.padded_hidden_size needs draft hidden == target hidden "
+                            f"({d.args.hidden_size} != {t.args.hidden_size})")
+    return llama_layout(t.args, tp, Hp), draft_layout(d.args, tp, Hp, Hp)
+
+
 def _write_bundle(lp: LoadedPair, root: Path, backend, progress: Progress) -> Manifest:
     pair, t, d = lp.pair, lp.target, lp.draft
     dtype = DTYPES[pair.dtype]
     K = pair.speculation.num_speculative_tokens
     B, L = pair.serving.max_num_seqs, pair.serving.max_model_len
+    tp = pair.parallel.tp_degree
     aux_ids = d.args.aux_layer_ids
+    t_layout, d_layout = layouts(pair, t, d)
 
-    target_model = build_target(t, aux_ids)
-    draft_model = build_draft(d)
-    models = {"target": target_model, "draft": draft_model}
+    # rank-local models on the meta device: their parameter shapes are the per-rank shapes
+    target_model = build_target(t, aux_ids, t_layout)
+    draft_model = build_draft(d, d_layout)
+    models = {"target": (target_model, t, t_layout), "draft": (draft_model, d, d_layout)}
 
-    # --- weights
-    progress("weights", None, 0, 0)
+    # --- weights: padded + sharded, streamed tensor by tensor into one file per rank
     model_entries: dict[str, ModelEntry] = {}
     weight_shapes: dict[str, tuple[list[int], torch.dtype]] = {}
     bindings: dict[str, dict[str, str]] = {}  # model -> {param name -> qualified weight name}
-    for name, ckpt, model in (("target", t, target_model), ("draft", d, draft_model)):
-        from .graphs import model_weight_names
+    for name, (model, ckpt, layout) in models.items():
+        progress(f"weights ({name})", None, 0, 0)
         pnames = model_weight_names(model)
         own = [n for n in pnames if n in ckpt.tensors]
         bindings[name] = {n: (f"{name}/{n}" if n in own else f"target/{n}") for n in pnames}
-        files = write_rank_files(ckpt.tensors, own, dtype, root / "weights" / name, pair.parallel.tp_degree)
-        shapes = dict(model.named_parameters()) | dict(model.named_buffers())
+        local = dict(model.named_parameters()) | dict(model.named_buffers())
+        shapes = {n: (list(local[n].shape), dtype if local[n].dtype.is_floating_point else local[n].dtype)
+                  for n in pnames}
+        files = write_rank_files(name, ckpt.tensors, own, shapes, layout, root / "weights" / name)
         tensors = {}
         for n in own:
-            tdt = dtype if shapes[n].dtype.is_floating_point else shapes[n].dtype
-            tensors[n] = TensorSpec(name=n, shape=list(shapes[n].shape), dtype=dtype_name(tdt))
-            weight_shapes[f"{name}/{n}"] = (list(shapes[n].shape), tdt)
+            plan = tensor_plan(name, n)
+            tensors[n] = TensorSpec(name=n, shape=shapes[n][0], dtype=dtype_name(shapes[n][1]),
+                                    pad=plan.pad, shard=plan.shard)
+            weight_shapes[f"{name}/{n}"] = shapes[n]
         model_entries[name] = ModelEntry(
             name=name, architecture="llama" if name == "target" else f"eagle3-{d.format}",
-            config=_jsonable(dataclasses.asdict(ckpt.args)),
+            config=_jsonable(dataclasses.asdict(ckpt.args)), layout=layout.to_dict(),
             weight_files=[file_entry(root, f) for f in files], tensors=tensors)
 
-    # --- KV caches
+    # --- KV caches (rank-local heads)
     state = {
         "target": TensorSpec(name="target_kv", shape=target_model.kv_shape(B, L), dtype=dtype_name(dtype)),
         "draft": TensorSpec(name="draft_kv", shape=draft_model.kv_shape(B, L), dtype=dtype_name(dtype)),
     }
 
-    # --- graphs
+    # --- graphs (traced once; with tp > 1 the collectives are traced against a fake process group)
     specs = graph_plan(pair)
     (root / "graphs").mkdir()
     graph_entries = []
-    for i, spec in enumerate(specs):
-        progress("graph", spec, i, len(specs))
-        model = models[spec.model]
-        module, pnames = build_graph_module(spec, model)
-        qnames = [bindings[spec.model][n] for n in pnames]
-        weights = tuple(torch.empty(weight_shapes[q][0], dtype=weight_shapes[q][1]) for q in qnames)
-        kv_spec = state[spec.model]
-        kv = torch.zeros(kv_spec.shape, dtype=dtype)
-        ins = step_inputs(spec, K=K, target_hidden=t.args.hidden_size, draft_hidden=d.args.hidden_size,
-                          dtype=dtype)
-        example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
-        args = (weights, kv, *example)
-        outs = backend.output_specs(module, args)
-        path = root / "graphs" / f"{spec.name}{backend.SUFFIX}"
-        info = backend.compile_graph(module, args, path)
-        graph_entries.append(GraphEntry(
-            name=spec.name, role=spec.role, model=spec.model, bucket=spec.bucket, file=file_entry(root, path),
-            weights=qnames, state=kv_spec.name,
-            inputs=[TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, s, x in ins],
-            outputs=[TensorSpec(name=n, shape=s, dtype=dtype_name(x))
-                     for n, (s, x) in zip(OUTPUT_NAMES[spec.role], outs)],
-            backend=info))
+    with tracing_process_group(tp):
+        for i, spec in enumerate(specs):
+            progress("graph", spec, i, len(specs))
+            model = models[spec.model][0]
+            module, pnames = build_graph_module(spec, model)
+            qnames = [bindings[spec.model][n] for n in pnames]
+            weights = tuple(torch.empty(weight_shapes[q][0], dtype=weight_shapes[q][1]) for q in qnames)
+            kv_spec = state[spec.model]
+            kv = torch.zeros(kv_spec.shape, dtype=dtype)
+            ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden,
+                              draft_hidden=d_layout.padded_hidden, dtype=dtype)
+            example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
+            args = (weights, kv, *example)
+            outs = backend.output_specs(module, args)
+            path = root / "graphs" / f"{spec.name}{backend.SUFFIX}"
+            info = backend.compile_graph(module, args, path)
+            graph_entries.append(GraphEntry(
+                name=spec.name, role=spec.role, model=spec.model, bucket=spec.bucket,
+                file=file_entry(root, path), weights=qnames, state=kv_spec.name,
+                inputs=[TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, s, x in ins],
+                outputs=[TensorSpec(name=n, shape=s, dtype=dtype_name(x))
+                         for n, (s, x) in zip(OUTPUT_NAMES[spec.role], outs)],
+                backend=info))
     progress("graph", None, len(specs), len(specs))
 
     # --- tokenizer and configs
@@ -180,6 +202,25 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, progress: Progress) -> Ma
         graphs=graph_entries, files=[file_entry(root, f) for f in sorted(files)], notes=d.notes)
     (root / MANIFEST).write_text(manifest.model_dump_json(indent=2))
     return manifest
+
+
+@contextlib.contextmanager
+def tracing_process_group(tp: int):
+    """A fake world of `tp` ranks so in-graph collectives trace with the right shapes; nothing runs."""
+    if tp == 1:
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UserError("a torch.distributed process group is already initialised in the build process; "
+                        "run eagle3-build compile as a plain process (not under torchrun)")
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def toolchain(backend) -> dict[str, str]:

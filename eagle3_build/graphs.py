@@ -2,10 +2,11 @@
 
 One graph per (role, bucket). Every graph is called as
 
-    graph(weights: tuple[Tensor, ...], kv: Tensor, *inputs) -> tuple[Tensor, ...]
+    graph(weights: tuple[Tensor, ...], kv: Tensor, rank: Tensor[1], *inputs) -> tuple[Tensor, ...]
 
 weights in the order the manifest lists them (bound from weights/<model>/rank<r>.safetensors),
-`kv` the model's static KV cache (mutated in place), then the step inputs below.
+`kv` the model's static KV cache (mutated in place), the rank as a tensor (so one graph serves every
+rank), then the step inputs below. H is the padded hidden size.
 
   role            bucket  inputs                                             outputs
   target_prefill  S       tokens[1,S] slot[1] last[1]                        logits[1,V] aux[1,S,3H]
@@ -68,10 +69,10 @@ class TargetPrefill(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, tokens, slot, last):
+    def forward(self, kv, rank, tokens, slot, last):
         S = tokens.shape[1]
         positions = torch.arange(S, device=tokens.device)[None]
-        h, aux = self.m(tokens, positions, kv, slot[:, None].expand(1, S), prefill=True)
+        h, aux = self.m(tokens, positions, kv, slot[:, None].expand(1, S), prefill=True, rank=rank)
         return self.m.logits(_last(h, last)), aux
 
 
@@ -80,10 +81,10 @@ class TargetVerify(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, tokens, start):
+    def forward(self, kv, rank, tokens, start):
         b, T = tokens.shape
         positions = start[:, None] + torch.arange(T, device=tokens.device)
-        h, aux = self.m(tokens, positions, kv, _rows(b, T, tokens.device), prefill=False)
+        h, aux = self.m(tokens, positions, kv, _rows(b, T, tokens.device), prefill=False, rank=rank)
         return self.m.logits(h), aux
 
 
@@ -92,9 +93,9 @@ class TargetDecode(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, tokens, pos):
+    def forward(self, kv, rank, tokens, pos):
         b = tokens.shape[0]
-        h, _ = self.m(tokens[:, None], pos[:, None], kv, _rows(b, 1, tokens.device), prefill=False)
+        h, _ = self.m(tokens[:, None], pos[:, None], kv, _rows(b, 1, tokens.device), prefill=False, rank=rank)
         return (self.m.logits(h[:, 0]),)
 
 
@@ -103,10 +104,11 @@ class DraftPrefill(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, aux, next_tokens, slot, last):
+    def forward(self, kv, rank, aux, next_tokens, slot, last):
         S = next_tokens.shape[1]
         positions = torch.arange(S, device=aux.device)[None]
-        out = self.m(self.m.combine(aux), next_tokens, positions, kv, slot[:, None].expand(1, S), prefill=True)
+        out = self.m(self.m.combine(aux), next_tokens, positions, kv, slot[:, None].expand(1, S), prefill=True,
+                     rank=rank)
         out = _last(out, last)
         return self.m.propose(out), self.m.recurrent_hidden(out)
 
@@ -116,10 +118,11 @@ class DraftCatchup(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, aux, next_tokens, start, last):
+    def forward(self, kv, rank, aux, next_tokens, start, last):
         b, T = next_tokens.shape
         positions = start[:, None] + torch.arange(T, device=aux.device)
-        out = self.m(self.m.combine(aux), next_tokens, positions, kv, _rows(b, T, aux.device), prefill=False)
+        out = self.m(self.m.combine(aux), next_tokens, positions, kv, _rows(b, T, aux.device), prefill=False,
+                     rank=rank)
         out = _last(out, last)
         return self.m.propose(out), self.m.recurrent_hidden(out)
 
@@ -129,9 +132,10 @@ class DraftStep(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, hidden, tokens, pos):
+    def forward(self, kv, rank, hidden, tokens, pos):
         b = tokens.shape[0]
-        out = self.m(hidden[:, None], tokens[:, None], pos[:, None], kv, _rows(b, 1, hidden.device), prefill=False)[:, 0]
+        out = self.m(hidden[:, None], tokens[:, None], pos[:, None], kv, _rows(b, 1, hidden.device), prefill=False,
+                     rank=rank)[:, 0]
         return self.m.propose(out), self.m.recurrent_hidden(out)
 
 
@@ -144,7 +148,7 @@ def step_inputs(spec: GraphSpec, *, K: int, target_hidden: int, draft_hidden: in
     """(name, shape, dtype) of a graph's step inputs, in call order (after weights and kv)."""
     i64, T, n = torch.int64, K + 1, spec.bucket
     aux3 = 3 * target_hidden
-    return {
+    return [("rank", [1], i64)] + {
         "target_prefill": [("tokens", [1, n], i64), ("slot", [1], i64), ("last", [1], i64)],
         "target_verify": [("tokens", [n, T], i64), ("start", [n], i64)],
         "target_decode": [("tokens", [n], i64), ("pos", [n], i64)],

@@ -18,14 +18,15 @@ def meta_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return out
 
 
-def build_target(t: TargetCheckpoint, aux_layer_ids) -> Llama:
+def build_target(t: TargetCheckpoint, aux_layer_ids, layout=None) -> Llama:
+    """The target on the meta device (rank-local shapes when `layout` shards/pads it)."""
     with torch.device("meta"):
-        return Llama(t.args, tuple(aux_layer_ids))
+        return Llama(t.args, tuple(aux_layer_ids), layout)
 
 
-def build_draft(d: DraftCheckpoint) -> Eagle3Draft:
+def build_draft(d: DraftCheckpoint, layout=None) -> Eagle3Draft:
     with torch.device("meta"):
-        return Eagle3Draft(d.args)
+        return Eagle3Draft(d.args, layout)
 
 
 def check_target(t: TargetCheckpoint) -> None:

@@ -1,31 +1,293 @@
-"""Weights -> per-rank safetensors files (weights/<model>/rank<r>.safetensors).
+"""Padding and tensor-parallel sharding of weights (REFERENCE §4; vLLM-Neuron / NxDI layouts).
 
-Tensors are read one at a time from the source, cast to the bundle dtype (integer tensors such as
-d2t keep their dtype) and written in canonical names, so the bytes depend only on the recipe and
-the checkpoint contents.
+Each rule is a small named function; `tensor_plan` picks the rules for a canonical tensor name and
+`write_rank_files` streams a checkpoint through them into weights/<model>/rank<r>.safetensors.
+
+Notation: H_u unpadded hidden, H_p padded hidden; tp ranks, rank r.
+* column-parallel (q, gate, up): contiguous rows per rank; k/v by KV head (replicated when tp > n_kv,
+  rank r holds head r // (tp // n_kv));
+* row-parallel (o, down): contiguous input columns per rank (+ all-reduce in the graph); row-parallel
+  biases are divided by tp;
+* vocab-parallel (embeddings, lm_heads): ceil(V / tp) rows per rank, short trailing ranks zero-padded;
+* replicated: norms, the draft's fc / input_norm, d2t;
+* hidden padding: zero columns/rows up to H_p; fc's 3 aux chunks and the draft q/k/v's 2 input halves
+  are padded each at its own end.
 """
 from __future__ import annotations
 
+import json
+import math
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
 
-from .checkpoints import TensorSource
 from .errors import UserError
+
+if TYPE_CHECKING:
+    from .checkpoints import TensorSource
+
+
+# ------------------------------------------------------------------ layout
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model's dimensions map onto tp ranks (and padding)."""
+
+    tp: int
+    hidden: int  # H_u
+    padded_hidden: int  # H_p (== hidden when not padded)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    input_hidden: int = 0  # width of each aux chunk the draft's fc reads (target hidden, unpadded)
+    padded_input_hidden: int = 0
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return math.ceil(self.vocab / self.tp)
+
+    @property
+    def padded_intermediate(self) -> int:
+        return math.ceil(self.intermediate / self.tp) * self.tp
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        return self.padded_intermediate // self.tp
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "hidden": self.hidden, "padded_hidden": self.padded_hidden,
+                "heads_per_rank": self.heads_per_rank, "kv_heads_per_rank": self.kv_heads_per_rank,
+                "vocab_per_rank": self.vocab_per_rank, "intermediate_per_rank": self.intermediate_per_rank}
+
+
+def valid_tp_degrees(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
+    return [t for t in range(1, limit + 1)
+            if num_heads % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+
+
+def check_tp(model: str, num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Heads must divide evenly; KV heads either divide by tp or are replicated tp // n_kv times.
+    (We refuse rather than pad heads: padded heads cost compute on every rank.)"""
+    if tp in valid_tp_degrees(num_heads, num_kv_heads, limit=max(tp, 1)):
+        return
+    valid = valid_tp_degrees(num_heads, num_kv_heads)
+    raise UserError(f"tp_degree {tp} does not fit the {model}: {num_heads} attention heads and {num_kv_heads} KV "
+                    f"heads must split evenly across ranks; valid tp degrees: {', '.join(map(str, valid))}")
+
+
+# ------------------------------------------------------------------ padding rules
+
+def pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad `dim` at its end up to `size`."""
+    if t.shape[dim] == size:
+        return t
+    if t.shape[dim] > size:
+        raise ValueError(f"cannot pad dim {dim} of {tuple(t.shape)} down to {size}")
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def pad_chunks(t: torch.Tensor, dim: int, chunks: int, size: int) -> torch.Tensor:
+    """Split `dim` into `chunks` equal pieces and zero-pad each at its own end to `size`
+    (fc: 3 aux chunks -> zeros at [i*H_p + H_u, (i+1)*H_p); draft q/k/v: embedding half | hidden half)."""
+    return torch.cat([pad_dim(c, dim, size) for c in t.chunk(chunks, dim=dim)], dim=dim)
+
+
+def unpad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    return t.narrow(dim, 0, size)
+
+
+def unpad_chunks(t: torch.Tensor, dim: int, chunks: int, size: int) -> torch.Tensor:
+    return torch.cat([c.narrow(dim, 0, size) for c in t.chunk(chunks, dim=dim)], dim=dim)
+
+
+# ------------------------------------------------------------------ shard rules
+
+def shard_even(t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """Contiguous 1/tp of `dim` (column-parallel rows, row-parallel columns)."""
+    if t.shape[dim] % tp:
+        raise ValueError(f"dim {dim} of {tuple(t.shape)} does not split into {tp} ranks")
+    n = t.shape[dim] // tp
+    return t.narrow(dim, rank * n, n)
+
+
+def shard_vocab(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """Rows [r*vpr, min((r+1)*vpr, V)), zero-padded to vpr rows (short trailing ranks)."""
+    vocab = t.shape[0]
+    vpr = math.ceil(vocab / tp)
+    lo, hi = min(rank * vpr, vocab), min((rank + 1) * vpr, vocab)
+    return pad_dim(t[lo:hi], 0, vpr)
+
+
+def kv_heads_for_rank(rank: int, tp: int, num_kv_heads: int) -> list[int]:
+    """tp >= n_kv: one head per rank, head r // (tp // n_kv); else n_kv // tp consecutive heads."""
+    if tp >= num_kv_heads:
+        return [rank // (tp // num_kv_heads)]
+    per = num_kv_heads // tp
+    return list(range(rank * per, (rank + 1) * per))
+
+
+def shard_kv(t: torch.Tensor, rank: int, tp: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    heads = t.view(num_kv_heads, head_dim, *t.shape[1:])
+    return torch.cat([heads[h] for h in kv_heads_for_rank(rank, tp, num_kv_heads)], dim=0)
+
+
+# ------------------------------------------------------------------ per-tensor plan
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    pad: str  # none | cols | rows | rows+cols | vec | chunks3 | vec_chunks3 | qkv_halves | fc
+    shard: str  # replicate | column | row | kv | vocab | row_bias
+
+    def apply(self, t: torch.Tensor, rank: int, L: Layout) -> torch.Tensor:
+        Hp, Ip = L.padded_hidden, L.padded_intermediate
+        p = self.pad
+        if p == "cols":
+            t = pad_dim(t, 1, Hp)
+        elif p == "rows":
+            t = pad_dim(t, 0, Hp)
+        elif p == "vec":
+            t = pad_dim(t, 0, Hp)
+        elif p == "gate_up":
+            t = pad_dim(pad_dim(t, 1, Hp), 0, Ip)
+        elif p == "down":
+            t = pad_dim(pad_dim(t, 0, Hp), 1, Ip)
+        elif p == "qkv_halves":
+            t = pad_chunks(t, 1, 2, Hp)
+        elif p == "fc":
+            t = pad_dim(pad_chunks(t, 1, 3, L.padded_input_hidden), 0, Hp)
+        elif p == "vec_chunks3":
+            t = pad_chunks(t, 0, 3, L.padded_input_hidden)
+        elif p == "vec_input":
+            t = pad_dim(t, 0, L.padded_input_hidden)
+        elif p != "none":
+            raise ValueError(p)
+        s = self.shard
+        if s == "replicate" or L.tp == 1:
+            return t
+        if s == "column":
+            return shard_even(t, 0, rank, L.tp)
+        if s == "row":
+            return shard_even(t, 1, rank, L.tp)
+        if s == "kv":
+            return shard_kv(t, rank, L.tp, L.num_kv_heads, L.head_dim)
+        if s == "vocab":
+            return shard_vocab(t, rank, L.tp)
+        if s == "row_bias":
+            return t / L.tp
+        raise ValueError(s)
+
+    def to_dict(self) -> dict:
+        return {"pad": self.pad, "shard": self.shard}
+
+
+def tensor_plan(model: str, name: str) -> TensorPlan:
+    """The pad + shard rule of one canonical tensor name (target: Llama names without `model.`;
+    draft: fc, input_norm, fc_norm.i, midlayer.*, norm, lm_head, d2t, embed_tokens)."""
+    leaf = name.split(".")
+    last = ".".join(leaf[-2:])
+    draft_attn_in = model == "draft" and name.startswith("midlayer.self_attn.")
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return TensorPlan(name, "cols", "vocab")
+    if name == "d2t":
+        return TensorPlan(name, "none", "replicate")
+    if name == "fc.weight":
+        return TensorPlan(name, "fc", "replicate")
+    if name == "input_norm.weight":
+        return TensorPlan(name, "vec_chunks3", "replicate")
+    if name.startswith("fc_norm."):
+        return TensorPlan(name, "vec_input", "replicate")
+    if last in ("q_proj.weight",):
+        return TensorPlan(name, "qkv_halves" if draft_attn_in else "cols", "column")
+    if last in ("k_proj.weight", "v_proj.weight"):
+        return TensorPlan(name, "qkv_halves" if draft_attn_in else "cols", "kv")
+    if last == "o_proj.weight":
+        return TensorPlan(name, "rows", "row")
+    if last in ("gate_proj.weight", "up_proj.weight"):
+        return TensorPlan(name, "gate_up", "column")
+    if last == "down_proj.weight":
+        return TensorPlan(name, "down", "row")
+    if name.endswith("norm.weight"):
+        return TensorPlan(name, "vec", "replicate")
+    raise UserError(f"{model} tensor {name}: no sharding rule; this architecture is not supported")
+
+
+# ------------------------------------------------------------------ streaming safetensors writer
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+              torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8"}
+
+
+class StreamingSafetensorsWriter:
+    """Writes a .safetensors file tensor by tensor, with the header computed up front from the plan,
+    so memory never holds more than the tensor being written. Byte-identical for identical input."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, list[int], torch.dtype]]):
+        self.path, self.specs = path, specs
+        header, offset = {}, 0
+        for name, shape, dtype in specs:
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        exp_name, shape, dtype = self.specs[self.next]
+        if name != exp_name or list(t.shape) != list(shape) or t.dtype != dtype:
+            raise ValueError(f"{self.path}: expected {exp_name} {shape} {dtype}, got {name} {list(t.shape)} {t.dtype}")
+        self.f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        self.next += 1
+
+    def close(self) -> None:
+        self.f.close()
+        if self.next != len(self.specs):
+            raise ValueError(f"{self.path}: {len(self.specs) - self.next} tensors were never written")
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-def write_rank_files(tensors: TensorSource, names: list[str], dtype: torch.dtype, out_dir: Path,
-                     tp_degree: int) -> list[Path]:
-    if tp_degree != 1:
-        raise UserError(f"tp_degree {tp_degree}: this build writes TP 1 bundles only; set parallel.tp_degree: 1")
+def write_rank_files(model: str, tensors: "TensorSource", names: list[str], shapes: dict[str, tuple[list[int], torch.dtype]],
+                     layout: Layout, out_dir: Path) -> list[Path]:
+    """Stream `names` from `tensors` through their plans into one file per rank.
+
+    `shapes` gives each tensor's per-rank shape and dtype (from the rank-local model). Peak memory is
+    one source tensor plus its padded copy, independent of the model size."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {n: cast(tensors.get(n), dtype).contiguous() for n in names}
-    path = out_dir / "rank0.safetensors"
-    # one metadata key only: safetensors writes metadata in hash-map order, which varies per run
-    save_file(data, path, metadata={"format": "pt"})
-    return [path]
+    specs = [(n, shapes[n][0], shapes[n][1]) for n in names]
+    paths = [out_dir / f"rank{r}.safetensors" for r in range(layout.tp)]
+    writers = [StreamingSafetensorsWriter(p, specs) for p in paths]
+    try:
+        for n in names:
+            plan = tensor_plan(model, n)
+            src = cast(tensors.get(n), shapes[n][1])
+            for r, w in enumerate(writers):
+                w.write(n, plan.apply(src, r, layout))
+            del src
+    finally:
+        for w in writers:
+            w.f.close()
+    for w in writers:
+        w.close()
+    return paths

@@ -2,8 +2,8 @@
 
 ``make_tiny_pair(out_dir)`` writes, in a few seconds and fully deterministically given ``seed``:
 
-* ``out_dir/target/``  a transformers ``LlamaForCausalLM`` (8 layers, hidden 64, vocab 512,
-  llama3 rope scaling, untied lm_head) + a byte-level BPE tokenizer with Llama-3 style specials;
+* ``out_dir/target/``  a transformers ``LlamaForCausalLM`` (8 layers, hidden 64 or ``hidden_size``, vocab
+  512, llama3 rope scaling, untied lm_head) + a byte-level BPE tokenizer with Llama-3 style specials;
 * ``out_dir/draft/``   an EAGLE3 draft in one of the three on-disk formats of REFERENCE §2
   (``"eagle"``: SafeAILab ``pytorch_model.bin``; ``"speculators"``: RedHatAI; ``"specforge"``: SGLang);
 * ``out_dir/recipe.yaml`` a build recipe pointing at both;
@@ -184,22 +184,43 @@ def make_tiny_tokenizer():
 # =================================================================================================
 # weights
 # =================================================================================================
+def _check_hidden_size(hidden_size) -> int:
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+        raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+    if hidden_size % N_HEADS:
+        # transformers' LlamaConfig validation refuses hidden_size % num_attention_heads != 0 even when
+        # head_dim is given, so such a target could not be loaded (from_pretrained, GGUF) at all
+        raise ValueError(
+            f"hidden_size must be a multiple of num_attention_heads={N_HEADS} (transformers' LlamaConfig "
+            f"refuses anything else), got {hidden_size}; e.g. 92 is awkward (q width "
+            f"{N_HEADS * HEAD_DIM}, not a multiple of 8)"
+        )
+    return int(hidden_size)
+
+
 def _randn(g: torch.Generator, *shape: int, std: float) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float32) * std
 
 
-def tiny_structure(seed: int = 0) -> dict:
+def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
     """The hidden structure of the pair for ``seed``: ``perm`` (f), ``ids`` (draft vocab), all weights.
+
+    ``hidden_size``: the residual width (target and draft), a multiple of ``N_HEADS`` (transformers
+    refuses others). Heads, head_dim (q width ``N_HEADS * HEAD_DIM`` = 64) and the MLP width stay
+    fixed, so any other value gives a model whose q width differs from its hidden size (as GPT-OSS:
+    hidden 2880, 64 heads x 64). The draws happen in
+    the same order for every size; ``hidden_size=HIDDEN`` is the historical pair, tensor for tensor.
 
     Returned dict: ``perm`` [512] int64 (f(t) = perm[t]), ``ids`` [256] int64 sorted (draft vocab),
     ``target`` (transformers LlamaForCausalLM state dict), ``draft`` (draft tensors without prefix
     handling: keys ``fc.weight``, ``layer.<name>``, ``norm.weight``, ``lm_head.weight``, ``d2t``,
     ``t2d``, ``embed_tokens.weight``).
     """
+    hidden = _check_hidden_size(hidden_size)
     g = torch.Generator().manual_seed(int(seed))
 
     # ---- target ----
-    embed = _randn(g, VOCAB, HIDDEN, std=_EMBED_STD)
+    embed = _randn(g, VOCAB, hidden, std=_EMBED_STD)
     # draft vocabulary: a random subset, sorted
     ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
     in_d = torch.zeros(VOCAB, dtype=torch.bool)
@@ -223,37 +244,37 @@ def tiny_structure(seed: int = 0) -> dict:
     std, ostd = _LAYER_STD, _OUT_STD
     for li in range(N_LAYERS):
         p = f"model.layers.{li}."
-        t[p + "self_attn.q_proj.weight"] = _randn(g, q_out, HIDDEN, std=std)
-        t[p + "self_attn.k_proj.weight"] = _randn(g, kv_out, HIDDEN, std=std)
-        t[p + "self_attn.v_proj.weight"] = _randn(g, kv_out, HIDDEN, std=std)
-        t[p + "self_attn.o_proj.weight"] = _randn(g, HIDDEN, q_out, std=ostd)
-        t[p + "mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=std)
-        t[p + "mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=std)
-        t[p + "mlp.down_proj.weight"] = _randn(g, HIDDEN, INTERMEDIATE, std=ostd)
-        t[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-    t["model.norm.weight"] = torch.ones(HIDDEN)
+        t[p + "self_attn.q_proj.weight"] = _randn(g, q_out, hidden, std=std)
+        t[p + "self_attn.k_proj.weight"] = _randn(g, kv_out, hidden, std=std)
+        t[p + "self_attn.v_proj.weight"] = _randn(g, kv_out, hidden, std=std)
+        t[p + "self_attn.o_proj.weight"] = _randn(g, hidden, q_out, std=ostd)
+        t[p + "mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, hidden, std=std)
+        t[p + "mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, hidden, std=std)
+        t[p + "mlp.down_proj.weight"] = _randn(g, hidden, INTERMEDIATE, std=ostd)
+        t[p + "input_layernorm.weight"] = torch.ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    t["model.norm.weight"] = torch.ones(hidden)
     t["lm_head.weight"] = lm_head
 
     # ---- draft ----
     g2 = perm[perm]  # g = f∘f
     g2_inv = torch.empty_like(g2)
     g2_inv[g2] = torch.arange(VOCAB)
-    fc = torch.zeros(HIDDEN, 3 * HIDDEN)
-    fc[:, :HIDDEN] = torch.eye(HIDDEN)
-    fc += _randn(g, HIDDEN, 3 * HIDDEN, std=_DRAFT_FC_NOISE)
+    fc = torch.zeros(hidden, 3 * hidden)
+    fc[:, :hidden] = torch.eye(hidden)
+    fc += _randn(g, hidden, 3 * hidden, std=_DRAFT_FC_NOISE)
     d: dict[str, torch.Tensor] = {"fc.weight": fc}
-    d["layer.self_attn.q_proj.weight"] = _randn(g, q_out, 2 * HIDDEN, std=_DRAFT_LAYER_STD)
-    d["layer.self_attn.k_proj.weight"] = _randn(g, kv_out, 2 * HIDDEN, std=_DRAFT_LAYER_STD)
-    d["layer.self_attn.v_proj.weight"] = _randn(g, kv_out, 2 * HIDDEN, std=_DRAFT_LAYER_STD)
-    d["layer.self_attn.o_proj.weight"] = _randn(g, HIDDEN, q_out, std=_DRAFT_LAYER_STD)
-    d["layer.mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=_DRAFT_LAYER_STD)
-    d["layer.mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, HIDDEN, std=_DRAFT_LAYER_STD)
-    d["layer.mlp.down_proj.weight"] = _randn(g, HIDDEN, INTERMEDIATE, std=_DRAFT_LAYER_STD)
-    d["layer.input_layernorm.weight"] = torch.ones(HIDDEN)
-    d["layer.hidden_norm.weight"] = torch.ones(HIDDEN)
-    d["layer.post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-    d["norm.weight"] = torch.ones(HIDDEN)
+    d["layer.self_attn.q_proj.weight"] = _randn(g, q_out, 2 * hidden, std=_DRAFT_LAYER_STD)
+    d["layer.self_attn.k_proj.weight"] = _randn(g, kv_out, 2 * hidden, std=_DRAFT_LAYER_STD)
+    d["layer.self_attn.v_proj.weight"] = _randn(g, kv_out, 2 * hidden, std=_DRAFT_LAYER_STD)
+    d["layer.self_attn.o_proj.weight"] = _randn(g, hidden, q_out, std=_DRAFT_LAYER_STD)
+    d["layer.mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, hidden, std=_DRAFT_LAYER_STD)
+    d["layer.mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, hidden, std=_DRAFT_LAYER_STD)
+    d["layer.mlp.down_proj.weight"] = _randn(g, hidden, INTERMEDIATE, std=_DRAFT_LAYER_STD)
+    d["layer.input_layernorm.weight"] = torch.ones(hidden)
+    d["layer.hidden_norm.weight"] = torch.ones(hidden)
+    d["layer.post_attention_layernorm.weight"] = torch.ones(hidden)
+    d["norm.weight"] = torch.ones(hidden)
     d["lm_head.weight"] = embed[g2_inv[ids]].clone()
     d["d2t"] = (ids - torch.arange(DRAFT_VOCAB)).to(torch.int64)
     d["t2d"] = in_d.clone()
@@ -265,12 +286,12 @@ def tiny_structure(seed: int = 0) -> dict:
 # =================================================================================================
 # writers
 # =================================================================================================
-def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True):
+def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True, hidden_size: int = HIDDEN):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+        hidden_size=int(hidden_size),
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=N_LAYERS,
         num_attention_heads=N_HEADS,
@@ -290,13 +311,18 @@ def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True):
 
 
 def _write_target(
-    target_dir: Path, state: dict[str, torch.Tensor], tokenizer, *, rope_scaling: bool = True
+    target_dir: Path,
+    state: dict[str, torch.Tensor],
+    tokenizer,
+    *,
+    rope_scaling: bool = True,
+    hidden_size: int = HIDDEN,
 ) -> None:
     from transformers import GenerationConfig, LlamaForCausalLM
 
     bos_id = tokenizer.convert_tokens_to_ids(BOS)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    cfg = _target_config(bos_id, eos_id, rope_scaling=rope_scaling)
+    cfg = _target_config(bos_id, eos_id, rope_scaling=rope_scaling, hidden_size=hidden_size)
     # Building the module runs transformers' random init: keep it off the global RNG.
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(cfg)
@@ -309,11 +335,13 @@ def _write_target(
     tokenizer.save_pretrained(str(target_dir))
 
 
-def _flat_draft_llama_config(bos_id: int, eos_id: int, *, rope_theta: float | None) -> dict:
+def _flat_draft_llama_config(
+    bos_id: int, eos_id: int, *, rope_theta: float | None, hidden_size: int = HIDDEN
+) -> dict:
     cfg = {
         "model_type": "llama",
         "hidden_act": "silu",
-        "hidden_size": HIDDEN,
+        "hidden_size": int(hidden_size),
         "intermediate_size": INTERMEDIATE,
         "num_attention_heads": N_HEADS,
         "num_key_value_heads": N_KV_HEADS,
@@ -342,6 +370,7 @@ def _write_draft(
     eos_id: int,
     num_speculative_tokens: int,
     target_dir: Path,
+    hidden_size: int = HIDDEN,
 ) -> None:
     prefix = "layers.0." if fmt == "speculators" else "midlayer."
     sd: dict[str, torch.Tensor] = {}
@@ -353,16 +382,17 @@ def _write_draft(
     sd = dict(sorted(sd.items()))
 
     if fmt == "eagle":
-        cfg = _flat_draft_llama_config(bos_id, eos_id, rope_theta=None)  # no rope_theta -> 10000
+        cfg = _flat_draft_llama_config(bos_id, eos_id, rope_theta=None, hidden_size=hidden_size)  # no rope_theta -> 10000
         cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
                    torch_dtype="float32")
         torch.save(sd, draft_dir / "pytorch_model.bin")
     elif fmt == "specforge":
-        cfg = _flat_draft_llama_config(bos_id, eos_id, rope_theta=DRAFT_ROPE_THETA)
+        cfg = _flat_draft_llama_config(bos_id, eos_id, rope_theta=DRAFT_ROPE_THETA,
+                                       hidden_size=hidden_size)
         cfg.update(
             architectures=["LlamaForCausalLMEagle3"],
             draft_vocab_size=DRAFT_VOCAB,
-            target_hidden_size=HIDDEN,
+            target_hidden_size=int(hidden_size),
             eagle_config={
                 "eagle_aux_hidden_state_layer_ids": list(SPECFORGE_AUX_IDS),
                 "use_aux_hidden_state": True,
@@ -371,7 +401,8 @@ def _write_draft(
         )
         _save_safetensors(sd, draft_dir / "model.safetensors")
     elif fmt == "speculators":
-        layer_cfg = _flat_draft_llama_config(bos_id, eos_id, rope_theta=DRAFT_ROPE_THETA)
+        layer_cfg = _flat_draft_llama_config(bos_id, eos_id, rope_theta=DRAFT_ROPE_THETA,
+                                       hidden_size=hidden_size)
         layer_cfg["rope_scaling"] = None
         cfg = {
             "speculators_model_type": "eagle3",
@@ -407,7 +438,15 @@ def _save_safetensors(sd: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _write_recipe(
-    path: Path, fmt: str, *, dtype: str, k: int, max_model_len: int, target: str = "./target"
+    path: Path,
+    fmt: str,
+    *,
+    dtype: str,
+    k: int,
+    max_model_len: int,
+    target: str = "./target",
+    tp_degree: int = 1,
+    padded_hidden_size: int | None = None,
 ) -> None:
     if fmt == "eagle":
         draft = (
@@ -417,6 +456,12 @@ def _write_recipe(
         )
     else:
         draft = "    draft: ./draft\n"
+    par = []
+    if int(tp_degree) != 1:
+        par.append(f"tp_degree: {int(tp_degree)}")
+    if padded_hidden_size is not None:
+        par.append(f"padded_hidden_size: {int(padded_hidden_size)}")
+    parallel = f"    parallel: {{{', '.join(par)}}}\n" if par else ""
     text = (
         "# tiny random Llama target + EAGLE3 draft (eagle3_build.tiny.make_tiny_pair)\n"
         "pairs:\n"
@@ -426,6 +471,7 @@ def _write_recipe(
         f"    dtype: {dtype}\n"
         f"    speculation: {{num_speculative_tokens: {int(k)}}}\n"
         f"    serving: {{max_num_seqs: 1, max_model_len: {int(max_model_len)}}}\n"
+        f"{parallel}"
         "    # keep the number of graphs small\n"
         "    buckets: {prefill: [64, 128], batch: [1]}\n"
         "    backend: export\n"
@@ -689,6 +735,9 @@ def make_tiny_pair(
     dtype: str = "float32",
     target_format: str = "hf",
     rope_scaling: bool | None = None,
+    hidden_size: int = HIDDEN,
+    padded_hidden_size: int | None = None,
+    tp_degree: int = 1,
 ) -> Path:
     """Writes out_dir/target/, out_dir/draft/, out_dir/recipe.yaml; returns the recipe path.
 
@@ -701,6 +750,13 @@ def make_tiny_pair(
     ``rope_scaling``: the target's llama3 rope scaling; ``None`` means on for ``"hf"`` and off for
     ``"gguf"`` (transformers' GGUF loader cannot express it, so ``rope_scaling=True`` with ``"gguf"``
     is refused). Same weights either way; only the rope differs.
+
+    ``hidden_size``: the residual width of target and draft (``tiny_structure``); heads (4 q, 2 kv),
+    head_dim 16 and intermediate 128 stay, so e.g. ``hidden_size=92`` gives q width 64 != hidden 92
+    (as GPT-OSS: hidden 2880 padded to 3072, q width 4096). It must be a multiple of 4: transformers'
+    ``LlamaConfig`` refuses ``hidden_size % num_attention_heads != 0`` even with an explicit head_dim. ``padded_hidden_size`` / ``tp_degree``: written into the recipe as
+    ``parallel: {tp_degree: N, padded_hidden_size: P}`` (keys left at their default are omitted,
+    and so is ``parallel`` when both are); they do not change the checkpoint files.
     """
     if draft_format not in DRAFT_FORMATS:
         raise ValueError(f"draft_format must be one of {DRAFT_FORMATS}, got {draft_format!r}")
@@ -717,6 +773,14 @@ def make_tiny_pair(
         )
     if int(num_speculative_tokens) < 1:
         raise ValueError("num_speculative_tokens must be >= 1")
+    hidden_size = _check_hidden_size(hidden_size)
+    if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
+        raise ValueError(f"tp_degree must be a positive int, got {tp_degree!r}")
+    if padded_hidden_size is not None and (
+        isinstance(padded_hidden_size, bool) or not isinstance(padded_hidden_size, int)
+        or padded_hidden_size < 1
+    ):
+        raise ValueError(f"padded_hidden_size must be a positive int or None, got {padded_hidden_size!r}")
     if not (int(num_speculative_tokens) + 1 < int(max_model_len) <= MAX_POS):
         raise ValueError(f"max_model_len must be in ({int(num_speculative_tokens) + 1}, {MAX_POS}]")
 
@@ -725,12 +789,13 @@ def make_tiny_pair(
     target_dir.mkdir(parents=True, exist_ok=True)
     draft_dir.mkdir(parents=True, exist_ok=True)
 
-    s = tiny_structure(seed)
+    s = tiny_structure(seed, hidden_size=hidden_size)
     tokenizer = make_tiny_tokenizer()
     bos_id = tokenizer.convert_tokens_to_ids(BOS)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
 
-    _write_target(target_dir, s["target"], tokenizer, rope_scaling=bool(rope_scaling))
+    _write_target(target_dir, s["target"], tokenizer, rope_scaling=bool(rope_scaling),
+                  hidden_size=hidden_size)
     target_ref = "./target"
     if target_format == "gguf":
         write_gguf(target_dir, out / "target.gguf", dtype="float32")
@@ -743,8 +808,10 @@ def make_tiny_pair(
         eos_id=eos_id,
         num_speculative_tokens=int(num_speculative_tokens),
         target_dir=target_dir,
+        hidden_size=hidden_size,
     )
     recipe = out / "recipe.yaml"
     _write_recipe(recipe, draft_format, dtype=dtype, k=int(num_speculative_tokens),
-                  max_model_len=int(max_model_len), target=target_ref)
+                  max_model_len=int(max_model_len), target=target_ref, tp_degree=int(tp_degree),
+                  padded_hidden_size=None if padded_hidden_size is None else int(padded_hidden_size))
     return recipe

@@ -38,8 +38,14 @@ def read_manifest(root: Path) -> Manifest:
         raise BundleError(f"{path}: invalid manifest at {loc}: {first['msg']}; rebuild the bundle") from None
 
 
-def verify_files(root: Path, manifest: Manifest) -> None:
+def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
+    """sha256 of every file (of one rank's weights only, when `rank` is given)."""
+    others = set()
+    if rank is not None:
+        others = {f.path for m in manifest.models.values() for r, f in enumerate(m.weight_files) if r != rank}
     for entry in manifest.all_files():
+        if entry.path in others:
+            continue
         path = root / entry.path
         if not path.is_file():
             raise BundleError(f"{root}: {entry.path} is missing; the bundle is incomplete — rebuild or re-download it")
@@ -62,12 +68,18 @@ LOADERS: dict[str, Callable[[Path], GraphFn]] = {"export": load_graph_export}
 
 @dataclass
 class Graph:
+    """One compiled graph bound to this rank's weights, KV cache and rank tensor."""
+
     entry: GraphEntry
     fn: GraphFn
     weights: tuple[torch.Tensor, ...]
     kv: torch.Tensor
+    rank: torch.Tensor
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = (self.rank, *inputs)
+        if len(inputs) != len(self.entry.inputs):
+            raise ValueError(f"{self.entry.name}: {len(inputs)} inputs, the graph takes {len(self.entry.inputs)}")
         for spec, x in zip(self.entry.inputs, inputs):
             if list(x.shape) != spec.shape:
                 raise ValueError(f"{self.entry.name}: input {spec.name} has shape {list(x.shape)}, "
@@ -88,8 +100,10 @@ class Bundle:
         if not self.root.is_dir():
             raise BundleError(f"{self.root}: no such bundle directory")
         self.manifest = m = read_manifest(self.root)
+        if not 0 <= rank < m.tp_degree:
+            raise BundleError(f"{self.root}: rank {rank} outside this bundle's tp_degree {m.tp_degree}")
         if verify:
-            verify_files(self.root, m)
+            verify_files(self.root, m, rank)
         if m.backend not in LOADERS:
             raise BundleError(f"{self.root}: backend {m.backend!r} cannot be served by this runtime "
                               f"(available: {', '.join(LOADERS)})")
@@ -107,7 +121,8 @@ class Bundle:
                 raise BundleError(f"{self.root}: graph {g.name} needs weights {missing[:3]} that no weight file "
                                   "holds; the bundle is inconsistent — rebuild it")
             self.graphs[(g.role, g.bucket)] = Graph(g, loader(self.root / g.file.path),
-                                                    tuple(self.weights[w] for w in g.weights), self.state[g.state])
+                                                    tuple(self.weights[w] for w in g.weights), self.state[g.state],
+                                                    torch.tensor([rank], dtype=torch.int64))
 
     def graph(self, role: str, bucket: int) -> Graph:
         try:

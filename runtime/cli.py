@@ -5,9 +5,10 @@ import argparse
 import json
 import sys
 
-from .bundle import Bundle, BundleError
+from .bundle import Bundle, BundleError, read_manifest
 from .engine import Engine, RequestError
 from .tokenizer import BundleTokenizer
+from .tp import init_tp, shutdown, stop_workers, worker_loop, wrap_driver
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,15 +19,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
+    ctx = None
     try:
-        bundle = Bundle(args.bundle)
+        from pathlib import Path
+
+        ctx = init_tp(read_manifest(Path(args.bundle)))
+        bundle = Bundle(args.bundle, rank=ctx.rank if ctx else 0)
+        if ctx is not None and not ctx.is_driver:
+            worker_loop(bundle, ctx)
+            return 0
+        if ctx is not None:
+            wrap_driver(bundle, ctx)
         tok = BundleTokenizer(bundle.root)
         engine = Engine(bundle)
         prompt_ids = tok.encode(args.prompt)
-        gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
+        try:
+            gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
+        finally:
+            if ctx is not None:
+                stop_workers(ctx)
     except (BundleError, RequestError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        shutdown(ctx)
     text = tok.decode(gen.token_ids)
     n = len(gen.token_ids)
     if args.json:

@@ -23,6 +23,8 @@ class TensorSpec(_Strict):
     name: str
     shape: list[int]
     dtype: str  # torch dtype name without the "torch." prefix
+    pad: str | None = None  # weights: how the tensor was padded (see eagle3_build.sharding)
+    shard: str | None = None  # weights: replicate | column | row | kv | vocab
 
 
 class FileEntry(_Strict):
@@ -48,6 +50,7 @@ class ModelEntry(_Strict):
     name: Literal["target", "draft"]
     architecture: str
     config: dict[str, Any]  # the canonical args the graphs were traced with
+    layout: dict[str, Any]  # tp degree, padded hidden and the per-rank sizes
     weight_files: list[FileEntry]  # one per rank
     tensors: dict[str, TensorSpec]  # what each rank file holds (rank 0 shapes)
 

@@ -22,6 +22,9 @@ from eagle3_build import tiny
 from eagle3_build.tiny import DRAFT_FORMATS, make_tiny_pair
 
 H, V, VD, NL = 64, 512, 256, 8
+# an "awkward" hidden size, as GPT-OSS (hidden 2880 padded to 3072, q width 4096 != hidden): q width
+# stays 4 x 16 = 64. 90 itself cannot be loaded by transformers (hidden % num_attention_heads != 0).
+H_ODD = 92
 PROMPTS = [
     "The weather this morning",
     "Speculative decoding lets a small",
@@ -48,6 +51,40 @@ def pairs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def odd_pairs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_odd")
+    return {fmt: make_tiny_pair(root / fmt, draft_format=fmt, seed=0, hidden_size=H_ODD).parent
+            for fmt in DRAFT_FORMATS}
+
+
+@pytest.fixture(scope="module", params=[H, H_ODD], ids=lambda h: f"hidden{h}")
+def hidden(request) -> int:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def struct_pairs(request, hidden) -> dict[str, Path]:
+    """The pairs for the structure tests: the default ones, or those with hidden_size=H_ODD."""
+    return request.getfixturevalue("pairs" if hidden == H else "odd_pairs")
+
+
+@pytest.fixture(scope="module")
+def struct_target(request, hidden, struct_pairs):
+    if hidden == H:
+        return request.getfixturevalue("target")
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(struct_pairs["speculators"] / "target")).eval()
+
+
+@pytest.fixture(scope="module")
+def struct_generations(request, hidden, struct_target, tokenizer):
+    if hidden == H:
+        return request.getfixturevalue("generations")
+    return _generate(struct_target, tokenizer)
+
+
+@pytest.fixture(scope="module")
 def target(pairs):
     from transformers import LlamaForCausalLM
 
@@ -64,6 +101,10 @@ def tokenizer(pairs):
 
 @pytest.fixture(scope="module")
 def generations(target, tokenizer):
+    return _generate(target, tokenizer)
+
+
+def _generate(target, tokenizer):
     """Greedy target generations: list of (token ids [P+GEN], prompt length P, hidden_states)."""
     out = []
     with torch.no_grad():
@@ -90,7 +131,8 @@ def _sha(p: Path) -> str:
 # --------------------------------------------------------------------------------------------------
 # layout
 # --------------------------------------------------------------------------------------------------
-def _expected_draft_shapes(prefix: str, with_embed: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _expected_draft_shapes(prefix: str, with_embed: bool,
+                           H: int = H) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     f32 = torch.float32
     s = {
         "fc.weight": ((H, 3 * H), f32),
@@ -280,15 +322,16 @@ def test_tokenizer(pairs, tokenizer):
     assert chat.startswith("<|begin_of_text|>") and "<|eot_id|>" in chat
 
 
-def test_target_follows_f_mostly(target, generations):
-    perm = tiny.tiny_structure(0)["perm"]
+def test_target_follows_f_mostly(hidden, struct_generations):
+    perm = tiny.tiny_structure(0, hidden_size=hidden)["perm"]
     hits = []
-    for seq, plen, _ in generations:
+    for seq, plen, _ in struct_generations:
         assert len(seq) == plen + GEN
         cur, nxt = seq[plen - 1:-1], seq[plen:]
         hits.append(perm[cur] == nxt)
     rate = torch.cat(hits).float().mean().item()
-    print(f"\n[tiny] fraction of greedy target steps equal to f(current token): {rate:.3f}")
+    print(f"\n[tiny] hidden {hidden}: fraction of greedy target steps equal to f(current token): "
+          f"{rate:.3f}")
     assert 0.55 < rate < 0.95, rate
 
 
@@ -366,12 +409,14 @@ class _RefDraft:
 
 
 @pytest.mark.parametrize("fmt", DRAFT_FORMATS)
-def test_draft_reference_predicts_two_ahead(pairs, target, generations, fmt):
-    embed = target.model.embed_tokens.weight.detach()
-    ref = _RefDraft(pairs[fmt] / "draft", fmt, embed)
+def test_draft_reference_predicts_two_ahead(hidden, struct_pairs, struct_target, struct_generations,
+                                            fmt):
+    embed = struct_target.model.embed_tokens.weight.detach()
+    assert embed.shape == (V, hidden)
+    ref = _RefDraft(struct_pairs[fmt] / "draft", fmt, embed)
     hits, hits_no_d2t = [], []
     with torch.no_grad():
-        for seq, plen, hs in generations:
+        for seq, plen, hs in struct_generations:
             prop = ref.first_step(hs, seq)[:-1]  # the last proposal has nothing to compare with
             actual = seq[2:]
             sl = slice(plen - 2, None)  # positions whose t_{i+2} the target generated
@@ -379,7 +424,7 @@ def test_draft_reference_predicts_two_ahead(pairs, target, generations, fmt):
             hits_no_d2t.append((ref.first_step(hs, seq, use_d2t=False)[:-1] == actual)[sl])
     rate = torch.cat(hits).float().mean().item()
     broken = torch.cat(hits_no_d2t).float().mean().item()
-    print(f"\n[tiny] {fmt}: draft first-step proposal == target token two ahead: {rate:.3f} "
+    print(f"\n[tiny] hidden {hidden}, {fmt}: draft first-step proposal == target token two ahead: {rate:.3f} "
           f"(ignoring d2t: {broken:.3f}); aux ids {ref.aux_ids}")
     assert 0.4 < rate < 0.95, rate
     assert broken < rate / 2
@@ -398,3 +443,61 @@ def test_deterministic_and_no_global_rng(pairs, tmp_path):
         assert _sha(first / rel) == _sha(again / rel), rel
     assert _sha(first / "target/model.safetensors") != _sha(other / "target/model.safetensors")
     assert _sha(first / "draft/model.safetensors") != _sha(other / "draft/model.safetensors")
+
+
+# --------------------------------------------------------------------------------------------------
+# hidden_size != q width (GPT-OSS-like), parallel settings in the recipe
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", DRAFT_FORMATS)
+def test_odd_hidden_files(odd_pairs, fmt):
+    d = odd_pairs[fmt]
+    sd = _load_draft(d / "draft", fmt)
+    prefix = "layers.0." if fmt == "speculators" else "midlayer."
+    expected = _expected_draft_shapes(prefix, with_embed=(fmt == "speculators"), H=H_ODD)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == {k: s for k, (s, _) in expected.items()}
+    fc = sd["fc.weight"]  # identity on the first aux chunk, small noise elsewhere
+    assert torch.allclose(fc[:, :H_ODD], torch.eye(H_ODD), atol=0.1)
+    assert fc[:, H_ODD:].abs().max() < 0.1
+
+    cfg = json.loads((d / "draft" / "config.json").read_text())
+    layer = cfg.get("transformer_layer_config", cfg)
+    assert (layer["hidden_size"], layer["num_attention_heads"], layer["head_dim"],
+            layer["intermediate_size"]) == (H_ODD, 4, 16, 128)
+    if fmt == "specforge":
+        assert cfg["target_hidden_size"] == H_ODD
+
+    tcfg = json.loads((d / "target" / "config.json").read_text())
+    assert (tcfg["hidden_size"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"],
+            tcfg["head_dim"], tcfg["intermediate_size"]) == (H_ODD, 4, 2, 16, 128)
+    tsd = load_file(str(d / "target" / "model.safetensors"))
+    assert tuple(tsd["model.layers.0.self_attn.q_proj.weight"].shape) == (64, H_ODD)
+    assert tuple(tsd["model.layers.0.self_attn.o_proj.weight"].shape) == (H_ODD, 64)
+    assert tuple(tsd["lm_head.weight"].shape) == (V, H_ODD)
+    assert "parallel" not in yaml.safe_load((d / "recipe.yaml").read_text())["pairs"][0]
+
+
+def test_hidden_size_default_is_the_historical_pair(pairs):
+    a, b = tiny.tiny_structure(0), tiny.tiny_structure(0, hidden_size=H)
+    for part in ("target", "draft"):
+        assert a[part].keys() == b[part].keys()
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+    c = tiny.tiny_structure(0, hidden_size=H_ODD)
+    assert c["target"]["model.embed_tokens.weight"].shape == (V, H_ODD)
+    assert torch.equal(c["target"]["model.embed_tokens.weight"][:1, :H],
+                       a["target"]["model.embed_tokens.weight"][:1, :H])  # same stream, first row
+
+
+def test_recipe_parallel(tmp_path):
+    def parallel(**kw):
+        r = make_tiny_pair(tmp_path / str(len(list(tmp_path.iterdir()))), hidden_size=H_ODD, **kw)
+        return yaml.safe_load(r.read_text())["pairs"][0].get("parallel")
+
+    assert parallel() is None
+    assert parallel(tp_degree=1) is None
+    assert parallel(tp_degree=2) == {"tp_degree": 2}
+    assert parallel(padded_hidden_size=96) == {"padded_hidden_size": 96}
+    assert parallel(tp_degree=8, padded_hidden_size=96) == {"tp_degree": 8, "padded_hidden_size": 96}
+    for bad in (dict(hidden_size=90), dict(hidden_size=0), dict(hidden_size=64.0),
+                dict(tp_degree=0), dict(padded_hidden_size=0), dict(padded_hidden_size="96")):
+        with pytest.raises(ValueError):
+            make_tiny_pair(tmp_path / "bad", **bad)

@@ -12,12 +12,14 @@ Recurrent steps feed x = out (norm(out) if norm_output) and the previous draft t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .llama import MLP, Attention, RMSNorm, Rope
+from ..sharding import Layout
+from .llama import MLP, Attention, Comm, RMSNorm, Rope, VocabEmbedding, vocab_parallel_logits
 
 
 @dataclass(frozen=True)
@@ -42,14 +44,15 @@ class Eagle3Args:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, a: Eagle3Args):
+    def __init__(self, a: Eagle3Args, L: Layout, comm: Comm):
         super().__init__()
+        Hp, H = L.padded_hidden, L.hidden
         self.norm_before_residual = a.norm_before_residual
-        self.self_attn = Attention(2 * a.hidden_size, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
-        self.mlp = MLP(a.hidden_size, a.intermediate_size)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(2 * Hp, Hp, L.heads_per_rank, L.kv_heads_per_rank, a.head_dim, comm)
+        self.mlp = MLP(Hp, L.intermediate_per_rank, comm)
+        self.input_layernorm = RMSNorm(Hp, a.rms_norm_eps, H)
+        self.hidden_norm = RMSNorm(Hp, a.rms_norm_eps, H)
+        self.post_attention_layernorm = RMSNorm(Hp, a.rms_norm_eps, H)
 
     def forward(self, e, x, cos, sin, kv, rows, positions, prefill):
         en, xn = self.input_layernorm(e), self.hidden_norm(x)
@@ -62,25 +65,27 @@ class Eagle3Draft(nn.Module):
     """Canonical weight names: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t,
     embed_tokens.weight (the target's when the draft has none), input_norm.weight, fc_norm.{0,1,2}.weight."""
 
-    def __init__(self, a: Eagle3Args):
+    def __init__(self, a: Eagle3Args, layout: Layout | None = None):
         super().__init__()
-        self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        L = layout or draft_layout(a, 1)
+        self.args, self.layout = a, L
+        comm = self.comm = Comm(L.tp)
+        Hp, Hin, Hin_p = L.padded_hidden, L.input_hidden, L.padded_input_hidden
+        self.embed_tokens = VocabEmbedding(math.ceil(a.vocab_size / L.tp), Hp, comm)
         if a.norm_before_fc:
-            self.input_norm = RMSNorm(3 * a.target_hidden_size, a.rms_norm_eps)
+            self.input_norm = RMSNorm(3 * Hin_p, a.rms_norm_eps, 3 * Hin)
         if a.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(a.target_hidden_size, a.rms_norm_eps) for _ in range(3))
-        self.fc = nn.Linear(3 * a.target_hidden_size, a.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(a)
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
+            self.fc_norm = nn.ModuleList(RMSNorm(Hin_p, a.rms_norm_eps, Hin) for _ in range(3))
+        self.fc = nn.Linear(3 * Hin_p, Hp, bias=False)  # replicated
+        self.midlayer = Eagle3Layer(a, L, comm)
+        self.norm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
+        self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)  # vocab-parallel over the draft vocab
         if a.has_d2t:
             self.register_buffer("d2t", torch.empty(a.draft_vocab_size, dtype=torch.int64))
         self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
 
     def kv_shape(self, max_num_seqs: int, max_model_len: int) -> list[int]:
-        a = self.args
-        return [1, 2, max_num_seqs, a.num_kv_heads, max_model_len, a.head_dim]
+        return [1, 2, max_num_seqs, self.layout.kv_heads_per_rank, max_model_len, self.args.head_dim]
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [.., 3*Ht] -> x [.., H]."""
@@ -92,13 +97,25 @@ class Eagle3Draft(nn.Module):
 
     def propose(self, out: torch.Tensor) -> torch.Tensor:
         """Greedy draft token (target vocab id) from the layer output."""
-        idx = self.lm_head(self.norm(out)).argmax(dim=-1)
+        idx = vocab_parallel_logits(self.norm(out), self.lm_head.weight, self.args.draft_vocab_size,
+                                    self.comm).argmax(dim=-1)
         return idx + self.d2t[idx] if self.args.has_d2t else idx
 
     def recurrent_hidden(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out) if self.args.norm_output else out
 
-    def forward(self, x, tokens, positions, kv, rows, prefill: bool):
-        e = self.embed_tokens(tokens)
+    def forward(self, x, tokens, positions, kv, rows, prefill: bool, rank: torch.Tensor):
+        e = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, x.dtype)
         return self.midlayer(e, x, cos, sin, kv, rows, positions, prefill)
+
+
+def draft_layout(a: Eagle3Args, tp: int, padded_hidden: int | None = None,
+                 padded_target_hidden: int | None = None) -> Layout:
+    """The draft's vocab-parallel dims are over the DRAFT vocab (its lm_head); its embedding is
+    vocab-parallel over the target vocab with the same rule."""
+    return Layout(tp=tp, hidden=a.hidden_size, padded_hidden=padded_hidden or a.hidden_size,
+                  num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                  intermediate=a.intermediate_size, vocab=a.draft_vocab_size,
+                  input_hidden=a.target_hidden_size,
+                  padded_input_hidden=padded_target_hidden or a.target_hidden_size)

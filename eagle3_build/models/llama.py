@@ -10,14 +10,22 @@ runtime keeps active sequences in rows 0..n-1; prefill writes one request into r
 
 Aux states for EAGLE3 are the residual-stream states *entering* decoder layers `aux_layer_ids`
 (vLLM semantics; HF `hidden_states[k]`).
+
+Tensor parallelism (`Layout`): every module is built with its rank-local shapes; collectives are
+torch.distributed functional collectives inside the graph (captured by torch.export / AOTI), and the
+rank arrives as a tensor input so one graph serves every rank. With hidden padding (H_u -> H_p) the
+padded channels stay exactly zero through the network and RMSNorm averages over H_u only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+
+from ..sharding import Layout
 
 
 @dataclass(frozen=True)
@@ -75,17 +83,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+class Comm:
+    """In-graph collectives over the default process group (a fake one while tracing)."""
+
+    GROUP = "0"
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp == 1 else funcol.all_reduce(x, "sum", self.GROUP)
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp == 1 else funcol.all_gather_single(x, x.dim() - 1, self.GROUP)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, true_dim: int | None = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.true_dim = eps, true_dim or dim
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.true_dim == h.shape[-1]:
+            var = h.pow(2).mean(-1, keepdim=True)
+        else:  # padded channels are zero: average over the real ones only
+            var = h.pow(2).sum(-1, keepdim=True) / self.true_dim
+        h = h * torch.rsqrt(var + self.eps)
         return self.weight * h.to(dtype)
+
+
+class VocabEmbedding(nn.Module):
+    """Vocab-parallel embedding: rank r holds rows [r*vpr, (r+1)*vpr); masked lookup + all-reduce."""
+
+    def __init__(self, vocab_per_rank: int, dim: int, comm: Comm):
+        super().__init__()
+        self.comm, self.vpr = comm, vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(vocab_per_rank, dim))
+
+    def forward(self, ids: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        if self.comm.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - rank * self.vpr
+        ok = (local >= 0) & (local < self.vpr)
+        e = F.embedding(local.clamp(0, self.vpr - 1), self.weight) * ok[..., None].to(self.weight.dtype)
+        return self.comm.all_reduce(e)
+
+
+def vocab_parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, comm: Comm) -> torch.Tensor:
+    """Local logits over this rank's vocab rows, gathered in rank order; the zero-padded rows of short
+    trailing ranks land past `vocab` and are cut off, so they can never be chosen."""
+    logits = comm.gather_last(F.linear(h, weight).float())
+    return logits[..., :vocab] if logits.shape[-1] != vocab else logits
 
 
 def attend(q, k_new, v_new, kv, layer: int, rows, positions, prefill: bool):
@@ -107,9 +158,11 @@ def attend(q, k_new, v_new, kv, layer: int, rows, positions, prefill: bool):
 
 
 class Attention(nn.Module):
-    def __init__(self, in_features: int, hidden: int, n_heads: int, n_kv: int, head_dim: int):
+    """q/k/v column-parallel by heads (rank-local counts), o_proj row-parallel + all-reduce."""
+
+    def __init__(self, in_features: int, hidden: int, n_heads: int, n_kv: int, head_dim: int, comm: Comm):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.n_heads, self.n_kv, self.head_dim, self.comm = n_heads, n_kv, head_dim, comm
         self.q_proj = nn.Linear(in_features, n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(in_features, n_kv * head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, n_kv * head_dim, bias=False)
@@ -122,27 +175,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attend(q, k, v, kv, layer, rows, positions, prefill)
-        return self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim))
+        return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, comm: Comm):
         super().__init__()
+        self.comm = comm
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: LlamaArgs, L: Layout, comm: Comm):
         super().__init__()
-        self.self_attn = Attention(a.hidden_size, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
-        self.mlp = MLP(a.hidden_size, a.intermediate_size)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        Hp = L.padded_hidden
+        self.self_attn = Attention(Hp, Hp, L.heads_per_rank, L.kv_heads_per_rank, a.head_dim, comm)
+        self.mlp = MLP(Hp, L.intermediate_per_rank, comm)
+        self.input_layernorm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
+        self.post_attention_layernorm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
 
     def forward(self, h, cos, sin, kv, layer, rows, positions, prefill):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, rows, positions, prefill)
@@ -152,30 +207,39 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
     """Target model. Canonical weight names = HF names without the `model.` prefix."""
 
-    def __init__(self, a: LlamaArgs, aux_layer_ids: tuple[int, ...]):
+    def __init__(self, a: LlamaArgs, aux_layer_ids: tuple[int, ...], layout: Layout | None = None):
         super().__init__()
-        self.args, self.aux_layer_ids = a, tuple(aux_layer_ids)
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        L = layout or llama_layout(a, 1)
+        self.args, self.layout, self.aux_layer_ids = a, L, tuple(aux_layer_ids)
+        comm = self.comm = Comm(L.tp)
+        Hp = L.padded_hidden
+        self.embed_tokens = VocabEmbedding(L.vocab_per_rank, Hp, comm)
+        self.layers = nn.ModuleList(DecoderLayer(a, L, comm) for _ in range(a.num_layers))
+        self.norm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
         if not a.tie_word_embeddings:
-            self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+            self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)
         self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
 
     def kv_shape(self, max_num_seqs: int, max_model_len: int) -> list[int]:
-        a = self.args
-        return [a.num_layers, 2, max_num_seqs, a.num_kv_heads, max_model_len, a.head_dim]
+        a, L = self.args, self.layout
+        return [a.num_layers, 2, max_num_seqs, L.kv_heads_per_rank, max_model_len, a.head_dim]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return F.linear(self.norm(h), w).float()
+        return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
 
-    def forward(self, tokens, positions, kv, rows, prefill: bool):
-        """tokens/positions/rows [b, T] -> (last hidden [b, T, H], aux [b, T, 3H])."""
-        h = self.embed_tokens(tokens)
+    def forward(self, tokens, positions, kv, rows, prefill: bool, rank: torch.Tensor):
+        """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p])."""
+        h = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, h.dtype)
         entering = {}
         for i, layer in enumerate(self.layers):
             entering[i] = h
             h = layer(h, cos, sin, kv, i, rows, positions, prefill)
         return h, torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
+
+
+def llama_layout(a: LlamaArgs, tp: int, padded_hidden: int | None = None) -> Layout:
+    return Layout(tp=tp, hidden=a.hidden_size, padded_hidden=padded_hidden or a.hidden_size,
+                  num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                  intermediate=a.intermediate_size, vocab=a.vocab_size)

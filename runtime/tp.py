@@ -1,0 +1,97 @@
+"""Tensor parallelism at run time: one process per rank under torchrun (gloo on CPU).
+
+Rank 0 (the driver) owns tokenization, scheduling and output. Before every graph call it broadcasts
+the call (graph index, then each input tensor, shapes known from the manifest) on a dedicated control
+group; every rank then runs the same graph on its own weights, and the collectives inside the graph
+use the default group. Control traffic and in-graph collectives never share a gloo group (mixing
+them deadlocks, REFERENCE §7).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .bundle import DTYPES, Bundle, BundleError, Graph
+from .manifest import Manifest
+
+STOP = -1
+
+
+@dataclass
+class TPContext:
+    rank: int
+    world_size: int
+    ctrl: object  # the control process group
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def launch_hint(tp: int) -> str:
+    return f"torchrun --nproc-per-node {tp} -m eagle3_runtime.cli BUNDLE ..."
+
+
+def init_tp(manifest: Manifest) -> TPContext | None:
+    """None for a TP-1 bundle run as one process; otherwise join the torchrun world (and check it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = manifest.tp_degree
+    if world == 1 and tp == 1:
+        return None
+    if world != tp:
+        raise BundleError(f"this bundle was built for tp_degree {tp} but this run has {world} process(es); "
+                          f"run it as: {launch_hint(tp)}" if tp > 1 else
+                          f"this bundle was built for tp_degree 1; run it as one process, not under torchrun "
+                          f"with {world} processes")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return TPContext(dist.get_rank(), world, dist.new_group(backend="gloo"))
+
+
+class DriverGraph:
+    """Rank 0's view of a graph: announce the call to the workers, then run it locally."""
+
+    def __init__(self, graph: Graph, index: int, ctx: TPContext):
+        self.graph, self.index, self.ctx = graph, index, ctx
+        self.entry = graph.entry
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dist.broadcast(torch.tensor([self.index], dtype=torch.int64), src=0, group=self.ctx.ctrl)
+        for x in inputs:
+            dist.broadcast(x.contiguous(), src=0, group=self.ctx.ctrl)
+        return self.graph(*inputs)
+
+
+def wrap_driver(bundle: Bundle, ctx: TPContext) -> None:
+    order = [(g.role, g.bucket) for g in bundle.manifest.graphs]
+    bundle.graphs = {k: DriverGraph(bundle.graphs[k], i, ctx) for i, k in enumerate(order)}
+
+
+def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
+    """Ranks > 0: run whatever graph the driver announces until it says stop."""
+    graphs = [bundle.graphs[(g.role, g.bucket)] for g in bundle.manifest.graphs]
+    header = torch.zeros(1, dtype=torch.int64)
+    with torch.inference_mode():
+        while True:
+            dist.broadcast(header, src=0, group=ctx.ctrl)
+            idx = int(header[0])
+            if idx == STOP:
+                return
+            g = graphs[idx]
+            inputs = [torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in g.entry.inputs[1:]]  # [0] is rank
+            for x in inputs:
+                dist.broadcast(x, src=0, group=ctx.ctrl)
+            g(*inputs)
+
+
+def stop_workers(ctx: TPContext) -> None:
+    dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=0, group=ctx.ctrl)
+
+
+def shutdown(ctx: TPContext | None) -> None:
+    if ctx is not None and dist.is_initialized():
+        dist.barrier(group=ctx.ctrl)
+        dist.destroy_process_group()
