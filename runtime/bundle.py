@@ -1,7 +1,10 @@
 """Load and validate a bundle: schema version, every file's sha256, weights bound per graph."""
 from __future__ import annotations
 
+import contextlib
 import json
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -58,8 +61,40 @@ def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> Non
 GraphFn = Callable[..., tuple]
 
 
+@contextlib.contextmanager
+def _cached_type_hints():
+    """torch.export's deserializer calls typing.get_type_hints once per JSON object (~15k per
+    graph), which dominates load time; the hints of its schema classes never change, so memoise them
+    for the duration of our load (measured: 4 graphs 5.3 s -> 2.0 s). No-op if torch's internals differ."""
+    try:
+        import torch._export.serde.serialize as ser
+    except ImportError:
+        yield
+        return
+    real = getattr(ser, "typing", None)
+    if real is not typing:
+        yield
+        return
+    cache: dict = {}
+
+    def get_type_hints(cls, globalns=None):
+        hints = cache.get(cls)
+        if hints is None:
+            hints = cache[cls] = typing.get_type_hints(cls, globalns=globalns)
+        return hints
+
+    shim = types.SimpleNamespace(**{k: getattr(typing, k) for k in dir(typing) if not k.startswith("__")})
+    shim.get_type_hints = get_type_hints
+    ser.typing = shim
+    try:
+        yield
+    finally:
+        ser.typing = real
+
+
 def load_graph_export(path: Path) -> GraphFn:
-    ep = torch.export.load(str(path))
+    with _cached_type_hints():
+        ep = torch.export.load(str(path))
     return ep.module()
 
 

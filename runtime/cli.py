@@ -11,6 +11,16 @@ from .tokenizer import BundleTokenizer
 from .tp import init_tp, shutdown, stop_workers, worker_loop, wrap_driver
 
 
+def set_threads(n: int | None) -> None:
+    import os
+
+    import torch
+
+    if n is None:
+        n = int(os.environ.get("EAGLE3_NUM_THREADS", "1"))
+    torch.set_num_threads(max(1, n))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-run", description="Generate from an eagle3-build bundle.")
     ap.add_argument("bundle", help="bundle directory (artifacts/<pair name>)")
@@ -18,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads per process (default 1: decode steps are latency-bound and "
+                         "multi-threaded small matmuls stall when cores are shared)")
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     ctx = None
     try:
         from pathlib import Path

@@ -4,6 +4,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# decode steps are tiny; multi-threaded small matmuls stall badly on a shared 2-core machine
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 

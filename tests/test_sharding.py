@@ -1,0 +1,144 @@
+"""Padding and sharding rules, one by one (REFERENCE §4)."""
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_build.errors import UserError
+from eagle3_build.models.llama import RMSNorm
+from eagle3_build.sharding import (Layout, StreamingSafetensorsWriter, check_tp, kv_heads_for_rank, pad_chunks,
+                                   pad_dim, shard_even, shard_kv, shard_vocab, tensor_plan, unpad_chunks, unpad_dim,
+                                   valid_tp_degrees)
+
+Hu, Hp = 90, 96
+
+
+def test_pad_unpad_identity():
+    t = torch.randn(7, Hu)
+    assert torch.equal(unpad_dim(pad_dim(t, 1, Hp), 1, Hu), t)
+    f = torch.randn(5, 3 * Hu)
+    assert torch.equal(unpad_chunks(pad_chunks(f, 1, 3, Hp), 1, 3, Hu), f)
+
+
+def layout(tp=1, vocab=10, **kw):
+    base = dict(tp=tp, hidden=Hu, padded_hidden=Hp, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=128,
+                vocab=vocab, input_hidden=Hu, padded_input_hidden=Hp)
+    base.update(kw)
+    return Layout(**base)
+
+
+def test_fc_interleaved_padding_zero_positions():
+    fc = torch.randn(Hu, 3 * Hu) + 5.0  # no accidental zeros
+    out = tensor_plan("draft", "fc.weight").apply(fc, 0, layout())
+    assert out.shape == (Hp, 3 * Hp)
+    zero_cols = torch.zeros(3 * Hp, dtype=torch.bool)
+    for i in range(3):
+        zero_cols[i * Hp + Hu:(i + 1) * Hp] = True
+        assert torch.equal(out[:Hu, i * Hp:i * Hp + Hu], fc[:, i * Hu:(i + 1) * Hu])
+    assert (out[:, zero_cols] == 0).all() and (out[:Hu, ~zero_cols] != 0).all()
+    assert (out[Hu:] == 0).all()  # padded output rows
+
+
+def test_draft_qkv_halves_padding():
+    q = torch.randn(64, 2 * Hu) + 5.0
+    out = tensor_plan("draft", "midlayer.self_attn.q_proj.weight").apply(q, 0, layout())
+    assert out.shape == (64, 2 * Hp)
+    assert torch.equal(out[:, :Hu], q[:, :Hu]) and torch.equal(out[:, Hp:Hp + Hu], q[:, Hu:])
+    assert (out[:, Hu:Hp] == 0).all() and (out[:, Hp + Hu:] == 0).all()
+    # the target's q_proj pads its (single) input at the end
+    tq = tensor_plan("target", "layers.0.self_attn.q_proj.weight").apply(torch.randn(64, Hu) + 5, 0, layout())
+    assert (tq[:, Hu:] == 0).all() and (tq[:, :Hu] != 0).all()
+
+
+def test_norm_and_o_down_padding():
+    w = torch.rand(Hu) + 0.5
+    out = tensor_plan("target", "layers.3.input_layernorm.weight").apply(w, 0, layout())
+    assert out.shape == (Hp,) and (out[Hu:] == 0).all() and torch.equal(out[:Hu], w)
+    o = tensor_plan("target", "layers.0.self_attn.o_proj.weight").apply(torch.randn(Hu, 64) + 5, 0, layout())
+    assert o.shape == (Hp, 64) and (o[Hu:] == 0).all()
+    gate = tensor_plan("target", "layers.0.mlp.gate_proj.weight").apply(torch.randn(128, Hu) + 5, 0, layout())
+    assert gate.shape == (128, Hp) and (gate[:, Hu:] == 0).all()
+
+
+def test_rmsnorm_over_unpadded_width():
+    x = torch.randn(3, Hu)
+    w = torch.rand(Hu) + 0.5
+    ref = RMSNorm(Hu, 1e-5)
+    ref.weight.data = w
+    padded = RMSNorm(Hp, 1e-5, true_dim=Hu)
+    padded.weight.data = pad_dim(w, 0, Hp)
+    y = padded(pad_dim(x, 1, Hp))
+    torch.testing.assert_close(y[:, :Hu], ref(x))
+    assert (y[:, Hu:] == 0).all()
+
+
+@pytest.mark.parametrize("vocab,tp", [(10, 4), (10, 8), (512, 4), (11, 3)])
+def test_vocab_shard_short_ranks(vocab, tp):
+    emb = torch.arange(vocab, dtype=torch.float32)[:, None].repeat(1, 4) + 1  # row i holds i+1
+    vpr = math.ceil(vocab / tp)
+    shards = [shard_vocab(emb, r, tp) for r in range(tp)]
+    for r, s in enumerate(shards):
+        assert s.shape == (vpr, 4)
+        real = max(0, min(vpr, vocab - r * vpr))
+        assert torch.equal(s[:real, 0], torch.arange(r * vpr, r * vpr + real, dtype=torch.float32) + 1)
+        assert (s[real:] == 0).all()
+    assert torch.equal(torch.cat(shards)[:vocab], emb)
+    if (vocab, tp) == (10, 8):  # more than one short rank: 2 rows per rank, ranks 5, 6, 7 hold nothing
+        assert [int((s != 0).any(1).sum()) for s in shards] == [2, 2, 2, 2, 2, 0, 0, 0]
+
+
+@pytest.mark.parametrize("n_kv", [2, 8])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_kv_head_assignment(tp, n_kv):
+    heads = [kv_heads_for_rank(r, tp, n_kv) for r in range(tp)]
+    if tp >= n_kv:
+        replicas = tp // n_kv
+        assert heads == [[r // replicas] for r in range(tp)]
+    else:
+        per = n_kv // tp
+        assert heads == [list(range(r * per, (r + 1) * per)) for r in range(tp)]
+    # GQA consistency: every q head of rank r uses a kv head the rank holds
+    n_q = 32
+    for r in range(tp):
+        q_heads = range(r * n_q // tp, (r + 1) * n_q // tp)
+        assert {h // (n_q // n_kv) for h in q_heads} <= set(heads[r])
+    # the weight rule selects exactly those heads
+    hd = 4
+    k = torch.arange(n_kv, dtype=torch.float32).repeat_interleave(hd)[:, None].repeat(1, 3)
+    for r in range(tp):
+        got = shard_kv(k, r, tp, n_kv, hd)[::hd, 0].long().tolist()
+        assert got == heads[r]
+
+
+def test_column_and_row_shards_reassemble():
+    w = torch.randn(128, 96)
+    assert torch.equal(torch.cat([shard_even(w, 0, r, 4) for r in range(4)], 0), w)
+    assert torch.equal(torch.cat([shard_even(w, 1, r, 4) for r in range(4)], 1), w)
+    L = layout(tp=4)
+    assert tensor_plan("target", "layers.0.self_attn.o_proj.weight").shard == "row"
+    assert tensor_plan("target", "layers.0.mlp.gate_proj.weight").apply(torch.randn(128, Hu), 1, L).shape == (32, Hp)
+    assert tensor_plan("draft", "fc.weight").shard == "replicate"
+
+
+def test_tp_degree_refusal_names_valid_degrees():
+    assert valid_tp_degrees(9, 3) == [1, 3, 9]  # SmolLM2-135M
+    with pytest.raises(UserError, match="valid tp degrees: 1, 3, 9"):
+        check_tp("target", 9, 3, 2)
+    check_tp("target", 32, 8, 8)
+    check_tp("target", 64, 8, 16)  # GPT-OSS: 2 replicas of each KV head
+
+
+def test_streaming_writer_matches_safetensors(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(2, 2).to(torch.bfloat16)}
+    specs = [(n, list(t.shape), t.dtype) for n, t in tensors.items()]
+    p = tmp_path / "x.safetensors"
+    w = StreamingSafetensorsWriter(p, specs)
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.close()
+    back = load_file(p)
+    assert set(back) == set(tensors) and all(torch.equal(back[n], t) for n, t in tensors.items())
+    with pytest.raises(ValueError):
+        w2 = StreamingSafetensorsWriter(tmp_path / "y.safetensors", specs)
+        w2.write("b", tensors["b"])  # out of order

@@ -1,0 +1,67 @@
+"""Run every graph role of a bundle on fixed inputs; rank 0 saves the (unpadded) outputs.
+
+    python tests/tp_roles.py BUNDLE OUT.safetensors                          # TP 1
+    torchrun --nproc-per-node N tests/tp_roles.py BUNDLE OUT.safetensors     # TP N (all ranks SPMD)
+"""
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3_runtime.bundle import Bundle
+
+
+def unpad_aux(aux: torch.Tensor, hu: int, hp: int) -> torch.Tensor:
+    return torch.cat([c[..., :hu] for c in aux.split(hp, dim=-1)], dim=-1)
+
+
+def run_roles(bundle: Bundle) -> dict[str, torch.Tensor]:
+    m = bundle.manifest
+    lay = m.models["target"].layout
+    hu, hp = lay["hidden"], lay["padded_hidden"]
+    K, S, b = m.num_speculative_tokens, m.prefill_buckets[0], m.batch_buckets[0]
+    g = torch.Generator().manual_seed(0)
+    V = m.vocab_size
+    n = S - 5
+    out = {}
+    with torch.inference_mode():
+        tokens = torch.randint(0, V, (1, S), generator=g)
+        slot, last = torch.tensor([0]), torch.tensor([n - 1])
+        logits, aux = bundle.graph("target_prefill", S)(tokens, slot, last)
+        out["target_prefill.logits"], out["target_prefill.aux"] = logits, unpad_aux(aux, hu, hp)
+        nxt = torch.randint(0, V, (1, S), generator=g)
+        tok, hid = bundle.graph("draft_prefill", S)(aux, nxt, slot, last)
+        out["draft_prefill.token"], out["draft_prefill.hidden"] = tok, hid[..., :hu]
+        vt = torch.randint(0, V, (b, K + 1), generator=g)
+        start = torch.full((b,), n)
+        logits, aux = bundle.graph("target_verify", b)(vt, start)
+        out["target_verify.logits"], out["target_verify.aux"] = logits, unpad_aux(aux, hu, hp)
+        nt = torch.randint(0, V, (b, K + 1), generator=g)
+        tok, hid = bundle.graph("draft_catchup", b)(aux, nt, start, torch.full((b,), K))
+        out["draft_catchup.token"], out["draft_catchup.hidden"] = tok, hid[..., :hu]
+        tok, hid = bundle.graph("draft_step", b)(hid, tok, start + K + 1)
+        out["draft_step.token"], out["draft_step.hidden"] = tok, hid[..., :hu]
+        (logits,) = bundle.graph("target_decode", b)(tok, start + K + 1)
+        out["target_decode.logits"] = logits
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def main():
+    bundle_dir, out_path = sys.argv[1], sys.argv[2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    outs = run_roles(Bundle(bundle_dir, rank=rank))
+    if rank == 0:
+        save_file(outs, out_path)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
