@@ -212,6 +212,12 @@ def tensor_plan(model: str, name: str) -> TensorPlan:
         return TensorPlan(name, "vec_chunks3", "replicate")
     if name.startswith("fc_norm."):
         return TensorPlan(name, "vec_input", "replicate")
+    if last in ("q_proj.bias", "gate_proj.bias", "up_proj.bias"):
+        return TensorPlan(name, "none", "column")
+    if last in ("k_proj.bias", "v_proj.bias"):
+        return TensorPlan(name, "none", "kv")
+    if last in ("o_proj.bias", "down_proj.bias"):  # row-parallel: each rank adds 1/tp before the all-reduce
+        return TensorPlan(name, "vec", "row_bias")
     if last in ("q_proj.weight",):
         return TensorPlan(name, "qkv_halves" if draft_attn_in else "cols", "column")
     if last in ("k_proj.weight", "v_proj.weight"):
@@ -255,7 +261,8 @@ class StreamingSafetensorsWriter:
         exp_name, shape, dtype = self.specs[self.next]
         if name != exp_name or list(t.shape) != list(shape) or t.dtype != dtype:
             raise ValueError(f"{self.path}: expected {exp_name} {shape} {dtype}, got {name} {list(t.shape)} {t.dtype}")
-        self.f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            self.f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
         self.next += 1
 
     def close(self) -> None:

@@ -142,3 +142,14 @@ def test_streaming_writer_matches_safetensors(tmp_path):
     with pytest.raises(ValueError):
         w2 = StreamingSafetensorsWriter(tmp_path / "y.safetensors", specs)
         w2.write("b", tensors["b"])  # out of order
+
+
+def test_row_parallel_bias_divided_by_tp():
+    b = torch.randn(Hu)
+    L = layout(tp=4)
+    shards = [tensor_plan("target", "layers.0.self_attn.o_proj.bias").apply(b, r, L) for r in range(4)]
+    assert all(s.shape == (Hp,) for s in shards)
+    torch.testing.assert_close(sum(shards)[:Hu], b)  # the all-reduce adds the shares back up
+    assert (sum(shards)[Hu:] == 0).all()
+    qb = tensor_plan("target", "layers.0.self_attn.k_proj.bias").apply(torch.arange(2 * 16.0), 3, L)
+    assert torch.equal(qb, torch.arange(16.0, 32.0))  # rank 3 of tp 4 holds KV head 1
