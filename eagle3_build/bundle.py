@@ -145,10 +145,11 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, progress: Progress) -> Ma
             config=_jsonable(dataclasses.asdict(ckpt.args)), layout=layout.to_dict(),
             weight_files=[file_entry(root, f) for f in files], tensors=tensors)
 
-    # --- KV caches (rank-local heads)
+    # --- KV caches (rank-local heads); K scratch positions past max_model_len take the writes of
+    #     rows that ride along in a verify batch after their speculation cutoff
     state = {
-        "target": TensorSpec(name="target_kv", shape=target_model.kv_shape(B, L), dtype=dtype_name(dtype)),
-        "draft": TensorSpec(name="draft_kv", shape=draft_model.kv_shape(B, L), dtype=dtype_name(dtype)),
+        "target": TensorSpec(name="target_kv", shape=target_model.kv_shape(B, L + K), dtype=dtype_name(dtype)),
+        "draft": TensorSpec(name="draft_kv", shape=draft_model.kv_shape(B, L + K), dtype=dtype_name(dtype)),
     }
 
     # --- graphs (traced once; with tp > 1 the collectives are traced against a fake process group)

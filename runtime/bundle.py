@@ -159,6 +159,11 @@ class Bundle:
                                                     tuple(self.weights[w] for w in g.weights), self.state[g.state],
                                                     torch.tensor([rank], dtype=torch.int64))
 
+    def copy_kv_row(self, src: int, dst: int) -> None:
+        """Move a sequence's KV-cache row (dim 2 of every cache) from row `src` to row `dst`."""
+        for kv in self.state.values():
+            kv[:, :, dst].copy_(kv[:, :, src])
+
     def graph(self, role: str, bucket: int) -> Graph:
         try:
             return self.graphs[(role, bucket)]

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx is not None:
             wrap_driver(bundle, ctx)
         tok = BundleTokenizer(bundle.root)
-        engine = Engine(bundle)
+        engine = Engine(bundle, detokenize=tok.decode)
         prompt_ids = tok.encode(args.prompt)
         try:
             gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         shutdown(ctx)
-    text = tok.decode(gen.token_ids)
+    text = gen.text
     n = len(gen.token_ids)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids,

@@ -1,28 +1,43 @@
-"""The EAGLE3 loop over a bundle's graphs (gpt-fast style: plain PyTorch, one readable loop).
+"""Continuous-batching EAGLE3 engine over a bundle's graphs (gpt-fast style: plain PyTorch loops).
 
 Sequence state: `ids` = prompt + generated; the last id is *pending* (not yet in the target's KV
-cache) at position p = len(ids) - 1. One speculative round:
+cache) at position p = len(ids) - 1. Active sequences occupy KV-cache rows 0..n-1 (a finished row
+is refilled by moving the last row into it), so a batch-bucket-b graph works on rows 0..b-1.
 
-    draft K tokens:  d_1 from the last prefill/catch-up, d_2..d_K from draft_step at positions p..p+K-2
-    verify:          target runs [pending, d_1..d_K] at p..p+K -> greedy g_0..g_K
-    accept:          a = length of the prefix with d_i == g_{i-1}; emit d_1..d_a, g_a
-    catch-up:        draft re-runs positions p..p+a with the target's aux states -> next d_1
+One step = at most one prefill (a waiting request, into row n) + one decode step for all rows:
 
-Sequences at p + K > max_model_len - 1 (and --no-spec) use the plain decode graph.
+  speculative round (any row can speculate):
+    draft K tokens   d_1 from the last prefill/catch-up, d_2..d_K from draft_step at p..p+K-2
+    verify           target runs [pending, d_1..d_K] at p..p+K -> logits for K+1 positions
+    accept           greedy prefix match, or probabilistic rejection (sampling.verify_sampled)
+    catch-up         draft re-runs positions p..p+a with the target's aux states -> next d_1
+  rows past the speculation cutoff (p + K > max_model_len - 1) take only the verify's first token
+  (one token per step: the KV cache has K scratch positions past max_model_len for their writes);
+  when no row can speculate, the plain target_decode graph runs instead.
 """
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .buckets import pick_bucket
 from .bundle import Bundle
+from .metrics import Metrics
+from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
 
 
 class RequestError(ValueError):
     """A request this bundle cannot serve (the message has the numbers)."""
+
+
+class QueueFull(RuntimeError):
+    pass
 
 
 @dataclass
@@ -72,22 +87,88 @@ class SpecStats:
 
 
 @dataclass
+class Event:
+    """What a request's listener receives: new tokens (and their text), then a finish reason."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    stop: tuple[str, ...] = ()
+    speculative: bool = True
+    on_event: Callable[[Event], None] | None = None
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    req: Request
+    ids: list[int]
+    n_prompt: int
+    row: int
+    gen: torch.Generator
+    stats: SpecStats
+    draft_tok: int | None = None
+    draft_hidden: torch.Tensor | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    text_sent: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def pos(self) -> int:
+        return len(self.ids) - 1
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.n_prompt:]
+
+
+@dataclass
 class Generation:
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) | "length"
+    text: str
+    finish_reason: str
     stats: SpecStats
     seconds: float
     target_passes: int
 
 
 class Engine:
-    def __init__(self, bundle: Bundle):
+    def __init__(self, bundle: Bundle, *, detokenize: Callable[[list[int]], str] | None = None,
+                 speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None):
         self.bundle = bundle
         m = bundle.manifest
-        self.K, self.max_len = m.num_speculative_tokens, m.max_model_len
+        self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
         self.prefill_buckets, self.batch_buckets = m.prefill_buckets, m.batch_buckets
         self.eos = set(m.eos_token_ids)
+        self.detokenize = detokenize
+        self.speculative = speculative
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics(self.K)
+        self.hidden = m.graph("draft_step", self.batch_buckets[0]).inputs[1].shape[-1]
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: list[Sequence] = []
+        self.target_passes = 0
+        self._cv = threading.Condition()
+        self._stop = False
+
+    # ------------------------------------------------------------------ admission
 
     def check_request(self, n_prompt: int, max_tokens: int) -> None:
         largest = self.prefill_buckets[-1]
@@ -105,68 +186,242 @@ class Engine:
             raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                                f"{self.max_len}; ask for at most {self.max_len - n_prompt} tokens")
 
+    def submit(self, req: Request) -> None:
+        """Queue a request (thread-safe). Raises RequestError / QueueFull."""
+        self.check_request(len(req.prompt_ids), req.max_tokens)
+        req.sampling.validate()
+        with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(req)
+            self.metrics.queue_depth.set(len(self.waiting))
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ the loop
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def step(self) -> None:
+        """At most one prefill, then one decode step over every active row."""
+        self._drop_cancelled()
+        req = None
+        with self._cv:
+            if self.waiting and len(self.active) < self.max_num_seqs:
+                req = self.waiting.popleft()
+                self.metrics.queue_depth.set(len(self.waiting))
+        if req is not None:
+            t0 = time.perf_counter()
+            self._prefill(req)
+            self.metrics.step_latency.labels("prefill").observe(time.perf_counter() - t0)
+            self._free_finished()
+        if self.active:
+            t0 = time.perf_counter()
+            kind = self._decode_step()
+            self.metrics.step_latency.labels(kind).observe(time.perf_counter() - t0)
+            self._free_finished()
+        self.metrics.running.set(len(self.active))
+
+    def run_forever(self) -> None:
+        """Background loop (one thread): steps while there is work, sleeps otherwise."""
+        while True:
+            with self._cv:
+                while not self.has_work() and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            for req in self.waiting:
+                if req.on_event:
+                    req.on_event(Event([], "", "abort"))
+            self.waiting.clear()
+            self._cv.notify_all()
+
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_tokens: int, speculative: bool = True) -> Generation:
-        self.check_request(len(prompt_ids), max_tokens)
+    def generate(self, prompt_ids: list[int], max_tokens: int, speculative: bool = True,
+                 sampling: SamplingParams | None = None, stop: tuple[str, ...] = ()) -> Generation:
+        """Run one request to completion on the calling thread (no background loop)."""
+        done: list[Event] = []
+        req = Request(list(prompt_ids), max_tokens, sampling or SamplingParams(temperature=0.0), tuple(stop),
+                      speculative, on_event=lambda e: done.append(e) if e.finish_reason else None)
+        t0, passes0 = time.perf_counter(), self.target_passes
+        self.submit(req)
+        holder: list[Sequence] = []
+        self._on_finish = holder.append
+        try:
+            while not done:
+                self.step()
+        finally:
+            self._on_finish = None
+        seq = holder[0]
+        return Generation(list(prompt_ids), seq.generated, seq.text, seq.finish_reason, seq.stats,
+                          time.perf_counter() - t0, self.target_passes - passes0)
+
+    _on_finish: Callable[[Sequence], None] | None = None
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self, req: Request) -> None:
         b = self.bundle
-        K, L = self.K, self.max_len
-        t0 = time.perf_counter()
-        ids = list(prompt_ids)
-        n = len(ids)
-        stats = SpecStats(K)
-        finish = None
-
-        def emit(tok: int) -> bool:
-            """Append one token; True when the sequence is finished."""
-            nonlocal finish
-            ids.append(tok)
-            if tok in self.eos:
-                finish = "stop"
-            elif len(ids) - n >= max_tokens or len(ids) >= L:
-                finish = "length"
-            return finish is not None
-
-        # prefill (row 0)
+        row, n = len(self.active), len(req.prompt_ids)
+        seq = Sequence(req, list(req.prompt_ids), n, row, req.sampling.generator(), SpecStats(self.K))
+        self.active.append(seq)
         S = pick_bucket(self.prefill_buckets, n)
         tokens = torch.zeros(1, S, dtype=torch.int64)
-        tokens[0, :n] = torch.tensor(ids)
-        slot, last = torch.zeros(1, dtype=torch.int64), torch.tensor([n - 1])
+        tokens[0, :n] = torch.tensor(seq.ids)
+        slot, last = torch.tensor([row]), torch.tensor([n - 1])
         logits, aux = b.graph("target_prefill", S)(tokens, slot, last)
-        passes = 1
-        done = emit(int(logits[0].argmax()))
-        if not done and speculative:
+        self.target_passes += 1
+        self.metrics.prompt_tokens.inc(n)
+        self._emit(seq, [next_token(logits[0], req.sampling, seq.gen)])
+        if seq.finish_reason is None and self._speculates(seq):
             nxt = torch.zeros(1, S, dtype=torch.int64)
-            nxt[0, :n] = torch.tensor(ids[1:n + 1])
-            draft_tok, hidden = b.graph("draft_prefill", S)(aux, nxt, slot, last)
+            nxt[0, :n] = torch.tensor(seq.ids[1:n + 1])
+            tok, hidden = b.graph("draft_prefill", S)(aux, nxt, slot, last)
+            seq.draft_tok, seq.draft_hidden = int(tok[0]), hidden[0]
 
-        bucket = pick_bucket(self.batch_buckets, 1)
-        verify, catchup = b.graph("target_verify", bucket), b.graph("draft_catchup", bucket)
-        step, decode = b.graph("draft_step", bucket), b.graph("target_decode", bucket)
-        while not done:
-            p = len(ids) - 1
-            if speculative and p + K <= L - 1:
-                drafts = [int(draft_tok[0])]
-                for k in range(1, K):
-                    draft_tok, hidden = step(hidden, draft_tok, torch.tensor([p - 1 + k]))
-                    drafts.append(int(draft_tok[0]))
-                logits, aux = verify(torch.tensor([[ids[-1]] + drafts]), torch.tensor([p]))
-                passes += 1
-                greedy = logits[0].argmax(-1).tolist()
-                a = 0
-                while a < K and drafts[a] == greedy[a]:
-                    a += 1
-                stats.record(a)
-                new = drafts[:a] + [greedy[a]]
-                for tok in new:
-                    if done := emit(tok):
-                        break
-                if not done:
-                    nxt = torch.zeros(1, K + 1, dtype=torch.int64)
-                    nxt[0, :a + 1] = torch.tensor(new)
-                    draft_tok, hidden = catchup(aux, nxt, torch.tensor([p]), torch.tensor([a]))
-            else:
-                (logits,) = decode(torch.tensor([ids[-1]]), torch.tensor([p]))
-                passes += 1
-                done = emit(int(logits[0].argmax()))
-        return Generation(prompt_ids=list(prompt_ids), token_ids=ids[n:], finish_reason=finish, stats=stats,
-                          seconds=time.perf_counter() - t0, target_passes=passes)
+    def _speculates(self, seq: Sequence) -> bool:
+        return self.speculative and seq.req.speculative
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_step(self) -> str:
+        K, L = self.K, self.max_len
+        n = len(self.active)
+        bsz = pick_bucket(self.batch_buckets, n)
+        spec = [s.draft_tok is not None and s.pos + K <= L - 1 for s in self.active]
+        if any(spec):
+            self._spec_round(bsz, spec)
+            return "speculative"
+        self._plain_round(bsz)
+        return "decode"
+
+    def _plain_round(self, bsz: int) -> None:
+        tokens = torch.zeros(bsz, dtype=torch.int64)
+        pos = torch.zeros(bsz, dtype=torch.int64)
+        for s in self.active:
+            tokens[s.row], pos[s.row] = s.ids[-1], s.pos
+        (logits,) = self.bundle.graph("target_decode", bsz)(tokens, pos)
+        self.target_passes += 1
+        for s in self.active:
+            self._emit(s, [next_token(logits[s.row], s.req.sampling, s.gen)])
+
+    def _spec_round(self, bsz: int, spec: list[bool]) -> None:
+        K, b = self.K, self.bundle
+        rows = self.active
+        # 1. draft K tokens per row (rows without a draft state get dummies and are ignored)
+        drafts = torch.zeros(bsz, K, dtype=torch.int64)
+        hidden = torch.zeros(bsz, self.hidden, dtype=b.state["draft_kv"].dtype)
+        start = torch.zeros(bsz, dtype=torch.int64)
+        for s, ok in zip(rows, spec):
+            start[s.row] = s.pos
+            if ok:
+                drafts[s.row, 0], hidden[s.row] = s.draft_tok, s.draft_hidden
+        step = b.graph("draft_step", bsz)
+        tok = drafts[:, 0].clone()
+        for k in range(1, K):
+            tok, hidden = step(hidden, tok, (start - 1 + k).clamp(min=0))
+            drafts[:, k] = tok
+        # 2. verify all K+1 positions in one target pass
+        verify_in = torch.zeros(bsz, K + 1, dtype=torch.int64)
+        for s in rows:
+            verify_in[s.row, 0] = s.ids[-1]
+        verify_in[:, 1:] = drafts
+        logits, aux = b.graph("target_verify", bsz)(verify_in, start)
+        self.target_passes += 1
+        # 3. accept per row
+        nxt = torch.zeros(bsz, K + 1, dtype=torch.int64)
+        last = torch.zeros(bsz, dtype=torch.int64)
+        for s, ok in zip(rows, spec):
+            if ok:
+                d = drafts[s.row].tolist()
+                if s.req.sampling.greedy:
+                    a, new = verify_greedy(logits[s.row], d)
+                else:
+                    a, new = verify_sampled(logits[s.row], d, s.req.sampling, s.gen)
+                s.stats.record(a)
+                self.metrics.record_draft(a)
+                nxt[s.row, :a + 1] = torch.tensor(new)
+                last[s.row] = a
+            else:  # past the speculation cutoff: one token from the verify's first position
+                new = [next_token(logits[s.row, 0], s.req.sampling, s.gen)]
+            self._emit(s, new)
+        # 4. catch the draft up on the accepted positions (rows that finished or cannot speculate
+        #    write only into their own, soon irrelevant, draft cache entries)
+        if any(ok and s.finish_reason is None for s, ok in zip(rows, spec)):
+            tok, hid = b.graph("draft_catchup", bsz)(aux, nxt, start, last)
+            for s, ok in zip(rows, spec):
+                if ok:
+                    s.draft_tok, s.draft_hidden = int(tok[s.row]), hid[s.row]
+
+    # ------------------------------------------------------------------ output
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append tokens until EOS / max_tokens / max_model_len / a stop string; notify the listener."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+            self.metrics.ttft.observe(seq.first_token_time - seq.req.arrival)
+        added = []
+        for tok in tokens:
+            seq.ids.append(tok)
+            added.append(tok)
+            if tok in self.eos:
+                seq.finish_reason = "stop"
+            elif len(seq.ids) - seq.n_prompt >= seq.req.max_tokens or len(seq.ids) >= self.max_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        self.metrics.generation_tokens.inc(len(added))
+        delta = ""
+        if self.detokenize is not None:
+            text = self.detokenize(seq.generated)
+            if seq.req.stop:
+                hits = [(text.find(s), s) for s in seq.req.stop if s and text.find(s) >= 0]
+                if hits:
+                    text = text[:min(hits)[0]]
+                    seq.finish_reason = "stop"
+            seq.text = text
+            hold = 0
+            if seq.finish_reason is None:
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                    hold = len(text) - len(text.rstrip("\ufffd"))
+                if seq.req.stop:  # never stream the beginning of a stop string
+                    hold = max(hold, max(len(s) for s in seq.req.stop) - 1)
+            upto = max(seq.text_sent, len(text) - hold)
+            delta, seq.text_sent = text[seq.text_sent:upto], upto
+        if seq.req.on_event and (added or seq.finish_reason):
+            seq.req.on_event(Event(added, delta, seq.finish_reason))
+
+    def _drop_cancelled(self) -> None:
+        for s in self.active:
+            if s.req.cancelled and s.finish_reason is None:
+                s.finish_reason = "abort"
+                if s.req.on_event:
+                    s.req.on_event(Event([], "", "abort"))
+        with self._cv:
+            kept = collections.deque(r for r in self.waiting if not r.cancelled)
+            if len(kept) != len(self.waiting):
+                self.waiting = kept
+                self.metrics.queue_depth.set(len(kept))
+        self._free_finished()
+
+    def _free_finished(self) -> None:
+        """Free finished rows at once; keep active rows contiguous by moving the last row down."""
+        i = 0
+        while i < len(self.active):
+            s = self.active[i]
+            if s.finish_reason is None:
+                i += 1
+                continue
+            self.metrics.finished(s.finish_reason)
+            if self._on_finish:
+                self._on_finish(s)
+            last = self.active.pop()
+            if last is not s:
+                self.bundle.copy_kv_row(last.row, s.row)
+                last.row = s.row
+                self.active[i] = last

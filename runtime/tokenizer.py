@@ -11,8 +11,8 @@ class BundleTokenizer:
     def __init__(self, bundle_root: Path):
         self.tok = Tokenizer.from_file(str(Path(bundle_root) / "tokenizer" / "tokenizer.json"))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -18,6 +18,7 @@ from .bundle import DTYPES, Bundle, BundleError, Graph
 from .manifest import Manifest
 
 STOP = -1
+COPY_ROW = -2
 
 
 @dataclass
@@ -59,27 +60,38 @@ class DriverGraph:
         self.entry = graph.entry
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        dist.broadcast(torch.tensor([self.index], dtype=torch.int64), src=0, group=self.ctx.ctrl)
+        dist.broadcast(torch.tensor([self.index, 0, 0], dtype=torch.int64), src=0, group=self.ctx.ctrl)
         for x in inputs:
             dist.broadcast(x.contiguous(), src=0, group=self.ctx.ctrl)
         return self.graph(*inputs)
 
 
 def wrap_driver(bundle: Bundle, ctx: TPContext) -> None:
+    """Make rank 0's bundle announce every graph call and KV-row move to the workers."""
     order = [(g.role, g.bucket) for g in bundle.manifest.graphs]
     bundle.graphs = {k: DriverGraph(bundle.graphs[k], i, ctx) for i, k in enumerate(order)}
+    local_copy = bundle.copy_kv_row
+
+    def copy_kv_row(src: int, dst: int) -> None:
+        dist.broadcast(torch.tensor([COPY_ROW, src, dst], dtype=torch.int64), src=0, group=ctx.ctrl)
+        local_copy(src, dst)
+
+    bundle.copy_kv_row = copy_kv_row
 
 
 def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
     """Ranks > 0: run whatever graph the driver announces until it says stop."""
     graphs = [bundle.graphs[(g.role, g.bucket)] for g in bundle.manifest.graphs]
-    header = torch.zeros(1, dtype=torch.int64)
+    header = torch.zeros(3, dtype=torch.int64)
     with torch.inference_mode():
         while True:
             dist.broadcast(header, src=0, group=ctx.ctrl)
-            idx = int(header[0])
+            idx, a, b = header.tolist()
             if idx == STOP:
                 return
+            if idx == COPY_ROW:
+                bundle.copy_kv_row(a, b)
+                continue
             g = graphs[idx]
             inputs = [torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in g.entry.inputs[1:]]  # [0] is rank
             for x in inputs:
@@ -88,7 +100,7 @@ def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
 
 
 def stop_workers(ctx: TPContext) -> None:
-    dist.broadcast(torch.tensor([STOP], dtype=torch.int64), src=0, group=ctx.ctrl)
+    dist.broadcast(torch.tensor([STOP, 0, 0], dtype=torch.int64), src=0, group=ctx.ctrl)
 
 
 def shutdown(ctx: TPContext | None) -> None:

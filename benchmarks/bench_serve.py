@@ -1,0 +1,740 @@
+"""Load client for `eagle3-serve`, in the style of `vllm bench serve`.
+
+Two ways to point it at a server:
+
+    # start eagle3-serve twice (speculative, then --no-spec) on free loopback ports, compare them
+    python benchmarks/bench_serve.py --bundle artifacts/tiny-llama-speculators \\
+        --num-prompts 32 --input-len 128 --output-len 64 --concurrency 1,4 \\
+        --server-arg="--threads 1" --save-result bench.json
+
+    # one pass against a server that is already running
+    python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --concurrency 1
+
+Each request is a streamed POST /v1/completions (OpenAI text_completion chunks, closed by
+`data: [DONE]`; token counts come from the `usage` object of the last chunk). Per request it measures
+TTFT, TPOT = (e2e - TTFT) / (output_tokens - 1), ITL (gaps between streamed chunks that carry text,
+so with speculative decoding one gap may cover several tokens, as in vLLM) and e2e latency. The
+"Speculative Decoding" block comes from deltas of the server's /metrics counters
+(eagle3_spec_decode_*, or vllm:spec_decode_* as a fallback) scraped right before and after each run.
+
+Prompts are random words from a built-in list, drawn from --seed, so every pass and every
+concurrency level sends the same prompts. Their length in words is calibrated once against the
+server's own tokenizer (two short probe requests, which double as warm-up); the report gives the
+real prompt_tokens from `usage`.
+
+Exit status: 0 all requests succeeded; 1 some request failed (the report is still printed and saved);
+2 a server did not start / become healthy / answer a probe request.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+try:
+    import httpx
+except ImportError:  # pragma: no cover - depends on the environment
+    sys.exit("bench_serve.py needs httpx: pip install httpx")
+
+WORDS = (
+    "the of and to in is was for that with on as by at from his her it an are were which this be or "
+    "had not have one their all but new more when who will about time would there after year other "
+    "first also two into what some only over could state city may most such made then people many "
+    "out can between these both where any work world under three part school during used since each "
+    "well same later found while life name home water house early place small power group great long "
+    "north south east west river line family music book light sound game field order point market land "
+    "road story green black white blue red gold stone wood tree field garden window table door paper "
+    "money child woman man king queen army war peace law court church island village country mountain "
+    "summer winter spring morning night day week month hour minute road train ship car horse bird fish "
+    "open close read write speak listen walk run build grow learn teach carry bring hold keep start stop "
+    "good bad old young high low big little strong quick slow warm cold bright dark clear simple common"
+).split()
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+METRIC_PREFIXES = ("eagle3_spec_decode_", "vllm:spec_decode_")
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+
+def make_prompt(rng: random.Random, n_words: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(max(1, n_words))]
+    words[0] = words[0].capitalize()
+    return " ".join(words) + "."
+
+
+def make_prompts(seed: int, num: int, n_words: int) -> list[str]:
+    rng = random.Random(seed)
+    return [make_prompt(rng, n_words) for _ in range(num)]
+
+
+# ------------------------------------------------------------------------------------------ one request
+
+@dataclass
+class RequestResult:
+    index: int
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    ttft: float = 0.0          # s
+    tpot: float | None = None  # s, None when output_tokens <= 1
+    e2e: float = 0.0           # s
+    itl: list[float] = field(default_factory=list)  # s
+    chunks: int = 0            # text-bearing chunks
+    finish_reason: str | None = None
+    generated_text: str = ""
+
+
+def build_payload(args, model: str | None, prompt: str, max_tokens: int, seed: int | None) -> dict:
+    body: dict = {"prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True}
+    if model:
+        body["model"] = model
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
+    if args.top_k is not None:
+        body["top_k"] = args.top_k
+    if seed is not None and args.temperature > 0:
+        body["seed"] = seed
+    return body
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: int) -> RequestResult:
+    """One streamed completion. HTTP errors, in-stream error objects, malformed chunks and a stream
+    that ends without [DONE] all count as failures, with the reason kept in `error`."""
+    res = RequestResult(index=index)
+    text_parts: list[str] = []
+    st = time.perf_counter()
+    last_token_t: float | None = None
+    last_choice_t: float | None = None
+    done = False
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread()).decode("utf-8", "replace")
+                res.error = f"HTTP {resp.status_code}: {raw[:2000]}"
+                res.e2e = time.perf_counter() - st
+                return res
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if not line or line.startswith(":"):
+                    continue
+                if not line.startswith("data:"):
+                    continue  # event:/id:/retry: fields carry nothing we need
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"malformed SSE chunk ({e}): {data[:300]!r}") from None
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"SSE chunk is not a JSON object: {data[:300]!r}")
+                if chunk.get("error"):
+                    raise ValueError(f"error in stream: {json.dumps(chunk['error'])[:2000]}")
+                choices = chunk.get("choices") or []
+                if choices:
+                    c = choices[0]
+                    text = c.get("text") or ""
+                    finish = c.get("finish_reason")
+                    if finish:
+                        res.finish_reason = finish
+                    last_choice_t = now
+                    # Does this chunk carry generated tokens? token_ids (eagle3-serve, vLLM with
+                    # return_token_ids) says so exactly; otherwise: it has text, or it is not merely the
+                    # closing finish_reason chunk (tokens whose text the detokenizer still holds back).
+                    ids = c.get("token_ids")
+                    if ids if isinstance(ids, list) else (text or (not finish and "text" in c)):
+                        if last_token_t is None:
+                            res.ttft = now - st
+                        else:
+                            res.itl.append(now - last_token_t)
+                        last_token_t = now
+                        res.chunks += 1
+                        text_parts.append(text)
+                usage = chunk.get("usage")
+                if usage:
+                    res.usage_reported = True
+                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+        res.e2e = time.perf_counter() - st
+        if not done:
+            res.error = "stream ended without 'data: [DONE]'"
+            return res
+        if not res.usage_reported:
+            res.output_tokens = res.chunks  # best effort: one token per chunk
+        if last_token_t is None:
+            if res.output_tokens > 0 and last_choice_t is not None:
+                res.ttft = last_choice_t - st  # everything arrived in the closing chunk
+            elif res.output_tokens > 0:
+                res.error = "usage reports output tokens but no choices chunk was streamed"
+                return res
+            else:
+                res.ttft = res.e2e
+        if res.output_tokens > 1:
+            res.tpot = (res.e2e - res.ttft) / (res.output_tokens - 1)
+        res.generated_text = "".join(text_parts)
+        res.success = True
+    except Exception as e:  # noqa: BLE001 - every failure is recorded, none stops the run
+        res.e2e = time.perf_counter() - st
+        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple], float]:
+    out: dict[tuple[str, tuple], float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels = m.group(1), tuple(sorted(_LABEL.findall(m.group(3) or "")))
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        out[(name, labels)] = out.get((name, labels), 0.0) + value
+    return out
+
+
+def spec_counters(samples: dict[tuple[str, tuple], float]) -> dict | None:
+    """{num_drafts, num_draft_tokens, num_accepted_tokens: float, per_pos: {pos: float}} summed over
+    every other label (e.g. model_name), or None when the server exposes none of them."""
+    for prefix in METRIC_PREFIXES:
+        got: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
+        found = False
+        for (name, labels), v in samples.items():
+            if not name.startswith(prefix) or name.endswith("_created"):
+                continue
+            base = name[len(prefix):]
+            if base.endswith("_total"):
+                base = base[: -len("_total")]
+            if base not in SPEC_COUNTERS:
+                continue
+            found = True
+            if base == "num_accepted_tokens_per_pos":
+                pos = dict(labels).get("position")
+                if pos is None:
+                    continue
+                got["per_pos"][int(pos)] = got["per_pos"].get(int(pos), 0.0) + v
+            else:
+                got[base] += v
+        if found:
+            got["metric_prefix"] = prefix
+            return got
+    return None
+
+
+async def scrape_spec(client: httpx.AsyncClient, base_url: str) -> tuple[dict | None, str]:
+    try:
+        r = await client.get(base_url + "/metrics", timeout=30)
+    except Exception as e:  # noqa: BLE001
+        return None, f"GET /metrics failed: {type(e).__name__}: {e}"
+    if r.status_code != 200:
+        return None, f"GET /metrics returned HTTP {r.status_code}"
+    c = spec_counters(parse_prometheus(r.text))
+    return c, "" if c is not None else "no spec_decode counters in /metrics"
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    drafts = after["num_drafts"] - before["num_drafts"]
+    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    positions = sorted(set(before["per_pos"]) | set(after["per_pos"]))
+    per_pos = [after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0) for p in positions]
+    return {
+        "metric_prefix": after.get("metric_prefix"),
+        "num_drafts": int(round(drafts)),
+        "num_draft_tokens": int(round(draft_tokens)),
+        "num_accepted_tokens": int(round(accepted)),
+        "accepted_per_pos": {str(p): int(round(v)) for p, v in zip(positions, per_pos)},
+        "acceptance_rate": accepted / draft_tokens * 100 if draft_tokens > 0 else None,
+        "acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
+        "per_position_acceptance": {str(p): v / drafts * 100 for p, v in zip(positions, per_pos)} if drafts > 0 else {},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(xs: list[float], percentiles: list[float]) -> dict:
+    ms = [x * 1000 for x in xs]
+    d = {"mean": sum(ms) / len(ms) if ms else 0.0, "median": percentile(ms, 50),
+         "std": math.sqrt(sum((x - sum(ms) / len(ms)) ** 2 for x in ms) / len(ms)) if ms else 0.0}
+    for p in percentiles:
+        d[f"p{p:g}"] = percentile(ms, p)
+    return d
+
+
+async def run_level(args, base_url: str, model: str | None, prompts: list[str], concurrency: int | None,
+                    label: str) -> dict:
+    url = base_url + "/v1/completions"
+    limits = httpx.Limits(max_connections=concurrency or len(prompts) or 1, max_keepalive_connections=concurrency or 100)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        before, metrics_note = await scrape_spec(client, base_url)
+        sem = asyncio.Semaphore(concurrency) if concurrency else None
+        rate_rng = random.Random(args.seed + 1)
+
+        async def one(i: int, prompt: str) -> RequestResult:
+            body = build_payload(args, model, prompt, args.output_len, args.seed + i)
+            if sem is None:
+                return await send_request(client, url, body, i)
+            async with sem:
+                return await send_request(client, url, body, i)
+
+        print(f"[{label}] {len(prompts)} requests, concurrency={concurrency or 'unlimited'}, "
+              f"request rate={args.request_rate} ...", flush=True)
+        t0 = time.perf_counter()
+        tasks = []
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.create_task(one(i, p)))
+            if args.request_rate != float("inf") and i + 1 < len(prompts):
+                await asyncio.sleep(rate_rng.expovariate(args.request_rate))  # Poisson arrivals
+        results: list[RequestResult] = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        after, note2 = await scrape_spec(client, base_url)
+        metrics_note = metrics_note or note2
+
+    ok = [r for r in results if r.success]
+    pct = args.metric_percentiles
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    m = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+        "mean_input_tokens": total_in / len(ok) if ok else 0.0,
+        "mean_output_tokens": total_out / len(ok) if ok else 0.0,
+        "mean_tokens_per_chunk": total_out / max(1, sum(r.chunks for r in ok)),
+        "usage_missing": sum(1 for r in ok if not r.usage_reported),
+        "ttft_ms": summarize([r.ttft for r in ok], pct),
+        "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None], pct),
+        "itl_ms": summarize([x for r in ok for x in r.itl], pct),
+        "e2el_ms": summarize([r.e2e for r in ok], pct),
+    }
+    spec = spec_delta(before, after)
+    run = {"label": label, "concurrency": concurrency, "request_rate": args.request_rate, "metrics": m,
+           "spec_decode": spec, "spec_decode_note": "" if spec is not None else metrics_note,
+           "errors": sorted({r.error for r in results if not r.success}),
+           "requests": [asdict(r) for r in results]}
+    if not args.keep_text:
+        for r in run["requests"]:
+            r.pop("generated_text")
+    print_report(run, pct)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+W = 50
+
+
+def _row(name: str, value, fmt: str = "") -> str:
+    v = "n/a" if value is None else format(value, fmt)
+    return f"{name:<40}{v}"
+
+
+def print_report(run: dict, pct: list[float]) -> None:
+    m = run["metrics"]
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=W, c="="),
+             _row("Run:", run["label"]),
+             _row("Maximum request concurrency:", run["concurrency"] or "unlimited"),
+             _row("Request rate (req/s):", run["request_rate"]),
+             _row("Successful requests:", m["completed"]),
+             _row("Failed requests:", m["failed"]),
+             _row("Benchmark duration (s):", m["duration_s"], ".2f"),
+             _row("Total input tokens:", m["total_input_tokens"]),
+             _row("Total generated tokens:", m["total_output_tokens"]),
+             _row("Request throughput (req/s):", m["request_throughput"], ".2f"),
+             _row("Output token throughput (tok/s):", m["output_throughput"], ".2f"),
+             _row("Total Token throughput (tok/s):", m["total_token_throughput"], ".2f")]
+    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl_ms", "Inter-token Latency", "ITL"),
+                              ("e2el_ms", "End-to-end Latency", "E2EL")):
+        s = m[key]
+        lines.append("{s:{c}^{n}}".format(s=title, n=W, c="-"))
+        lines.append(_row(f"Mean {short} (ms):", s["mean"], ".2f"))
+        lines.append(_row(f"Median {short} (ms):", s["median"], ".2f"))
+        for p in pct:
+            lines.append(_row(f"P{p:g} {short} (ms):", s[f"p{p:g}"], ".2f"))
+    lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=W, c="-"))
+    sd = run["spec_decode"]
+    if sd is None:
+        lines.append(f"(not available: {run['spec_decode_note']})")
+    else:
+        lines += [_row("Acceptance rate (%):", sd["acceptance_rate"], ".2f"),
+                  _row("Acceptance length:", sd["acceptance_length"], ".2f"),
+                  _row("Drafts:", sd["num_drafts"]),
+                  _row("Draft tokens:", sd["num_draft_tokens"]),
+                  _row("Accepted tokens:", sd["num_accepted_tokens"])]
+        if sd["per_position_acceptance"]:
+            lines.append("Per-position acceptance (%):")
+            for p, v in sd["per_position_acceptance"].items():
+                lines.append(_row(f"  Position {p}:", v, ".2f"))
+    lines.append("=" * W)
+    if m["usage_missing"]:
+        lines.append(f"warning: {m['usage_missing']} responses had no usage; their output tokens were "
+                     "counted as streamed chunks and their input tokens as 0")
+    if run["errors"]:
+        lines.append(f"{m['failed']} failed requests; distinct errors:")
+        lines += [f"  - {e[:500]}" for e in run["errors"][:10]]
+    print("\n".join(lines), flush=True)
+
+
+def comparison(spec_runs: list[dict], base_runs: list[dict]) -> list[dict]:
+    rows = []
+    by_c = {r["concurrency"]: r for r in base_runs}
+    for s in spec_runs:
+        b = by_c.get(s["concurrency"])
+        if b is None:
+            continue
+        st, bt = s["metrics"]["output_throughput"], b["metrics"]["output_throughput"]
+        stp, btp = s["metrics"]["tpot_ms"]["median"], b["metrics"]["tpot_ms"]["median"]
+        sd = s["spec_decode"] or {}
+        rows.append({"concurrency": s["concurrency"], "spec_output_throughput": st, "nospec_output_throughput": bt,
+                     "speedup": st / bt if bt > 0 else None,
+                     "spec_median_tpot_ms": stp, "nospec_median_tpot_ms": btp,
+                     "tpot_speedup": btp / stp if stp > 0 else None,
+                     "acceptance_length": sd.get("acceptance_length"),
+                     "acceptance_rate": sd.get("acceptance_rate"),
+                     "failed": s["metrics"]["failed"] + b["metrics"]["failed"]})
+    return rows
+
+
+def print_comparison(rows: list[dict]) -> None:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    hdr = (f"{'Concurrency':>11} {'Spec tok/s':>11} {'No-spec tok/s':>14} {'Speedup':>8} "
+           f"{'Spec TPOT ms':>13} {'No-spec TPOT ms':>16} {'Accept len':>11}")
+    print("\n" + "{s:{c}^{n}}".format(s=" Speculative vs no-spec ", n=len(hdr), c="="))
+    print(hdr)
+    for r in rows:
+        print(f"{r['concurrency'] or 'inf':>11} {r['spec_output_throughput']:>11.2f} {r['nospec_output_throughput']:>14.2f} "
+              f"{f(r['speedup'], '.2f') + 'x':>8} {r['spec_median_tpot_ms']:>13.2f} {r['nospec_median_tpot_ms']:>16.2f} "
+              f"{f(r['acceptance_length'], '.2f'):>11}")
+    print("(tok/s: output token throughput; TPOT: median; Accept len: 1 + accepted / drafts)")
+    print("=" * len(hdr), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- servers
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(args) -> list[str]:
+    cmd = shlex.split(args.server_cmd)
+    if cmd == ["eagle3-serve"] and shutil.which("eagle3-serve") is None:
+        cmd = [sys.executable, "-m", "eagle3_runtime.server"]
+    return cmd
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+class Server:
+    """eagle3-serve in its own process group, logs to files; stop() is idempotent."""
+
+    def __init__(self, args, no_spec: bool, log_dir: Path):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        tag = "nospec" if no_spec else "spec"
+        self.cmd = server_command(args) + [args.bundle, "--host", "127.0.0.1", "--port", str(self.port)]
+        if no_spec:
+            self.cmd.append("--no-spec")
+        for a in args.server_arg or []:
+            self.cmd += shlex.split(a)
+        self.stdout_path = log_dir / f"server-{tag}.stdout.log"
+        self.stderr_path = log_dir / f"server-{tag}.stderr.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float) -> None:
+        print(f"starting: {shlex.join(self.cmd)}", flush=True)
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            try:
+                self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                             start_new_session=True)
+            except OSError as e:
+                raise ServerError(f"could not start {self.cmd[0]!r}: {e}") from None
+        t0 = time.monotonic()
+        last = ""
+        with httpx.Client(timeout=5.0) as c:
+            while True:
+                rc = self.proc.poll()
+                if rc is not None:
+                    raise ServerError(f"server exited with status {rc} before becoming healthy")
+                try:
+                    r = c.get(self.base_url + "/health")
+                    if r.status_code == 200:
+                        break
+                    last = f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    last = type(e).__name__
+                if time.monotonic() - t0 > timeout:
+                    raise ServerError(f"server not healthy after {timeout:.0f}s (last /health: {last})")
+                time.sleep(0.5)
+        print(f"server healthy at {self.base_url} after {time.monotonic() - t0:.1f}s", flush=True)
+
+    def stop(self, grace: float = 15.0) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(p.pid, sig)  # the whole group: TP launchers spawn workers
+            except ProcessLookupError:
+                return
+            try:
+                p.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                if sig == signal.SIGTERM:
+                    print(f"server pid {p.pid} ignored SIGTERM for {grace:.0f}s; killing", file=sys.stderr)
+        try:  # workers left in the group after the leader exited
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def report_failure(self) -> None:
+        print(f"--- server stderr (tail, {self.stderr_path}) ---", file=sys.stderr)
+        print(tail(self.stderr_path) or "(empty)", file=sys.stderr)
+        out = tail(self.stdout_path, 15)
+        if out:
+            print(f"--- server stdout (tail, {self.stdout_path}) ---", file=sys.stderr)
+            print(out, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+async def discover_model(base_url: str) -> str | None:
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.get(base_url + "/v1/models")
+        if r.status_code == 200:
+            data = r.json().get("data") or []
+            if data and data[0].get("id"):
+                return data[0]["id"]
+    except Exception:  # noqa: BLE001 - the model field is optional for eagle3-serve
+        pass
+    return None
+
+
+async def probe(args, base_url: str, model: str | None, n_words: int, seed: int) -> RequestResult:
+    prompt = make_prompt(random.Random(seed), n_words)
+    body = build_payload(args, model, prompt, min(args.output_len, 8), seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30.0)) as c:
+        r = await send_request(c, base_url + "/v1/completions", body, -1)
+    if not r.success:
+        raise ServerError(f"probe request failed: {r.error}")
+    return r
+
+
+async def calibrate(args, base_url: str, model: str | None) -> tuple[int, dict]:
+    """Words per prompt so that prompts come out near --input-len tokens of the server's tokenizer:
+    two probes (which also warm the server up) fit tokens = overhead + per_word * words."""
+    w1, w2 = max(2, args.input_len // 4), max(4, args.input_len // 2)
+    r1 = await probe(args, base_url, model, w1, args.seed + 10_001)
+    r2 = await probe(args, base_url, model, w2, args.seed + 10_002)
+    info = {"probe_words": [w1, w2], "probe_prompt_tokens": [r1.prompt_tokens, r2.prompt_tokens]}
+    if args.no_calibrate or not (r1.usage_reported and r2.usage_reported) or r2.prompt_tokens <= r1.prompt_tokens:
+        info["tokens_per_word"], info["overhead_tokens"] = None, None
+        return max(1, args.input_len), info
+    per_word = (r2.prompt_tokens - r1.prompt_tokens) / (w2 - w1)
+    overhead = max(0.0, r1.prompt_tokens - per_word * w1)
+    info["tokens_per_word"], info["overhead_tokens"] = per_word, overhead
+    return max(1, round((args.input_len - overhead) / per_word)), info
+
+
+async def warmup(args, base_url: str, model: str | None) -> None:
+    for i in range(2):
+        await probe(args, base_url, model, max(2, args.input_len // 4), args.seed + 10_001 + i)
+
+
+async def run_pass(args, base_url: str, label: str, state: dict) -> list[dict]:
+    model = args.model or await discover_model(base_url)
+    if "n_words" not in state:
+        state["n_words"], state["calibration"] = await calibrate(args, base_url, model)
+        cal = state["calibration"]
+        print(f"prompts: {state['n_words']} words each (calibration: {cal})", flush=True)
+        state["prompts"] = make_prompts(args.seed, args.num_prompts, state["n_words"])
+    else:
+        await warmup(args, base_url, model)
+    runs = []
+    for c in args.concurrency:
+        runs.append(await run_level(args, base_url, model, state["prompts"], c,
+                                    f"{label}, concurrency={c or 'unlimited'}"))
+        runs[-1]["mode"], runs[-1]["model"] = label, model
+    return runs
+
+
+def parse_concurrency(s: str) -> list[int | None]:
+    out: list[int | None] = []
+    for part in s.split(","):
+        part = part.strip().lower()
+        if part in ("inf", "none", "0", "unlimited"):
+            out.append(None)
+        elif part:
+            n = int(part)
+            if n < 0:
+                raise argparse.ArgumentTypeError("concurrency must be >= 0")
+            out.append(n)
+    if not out:
+        raise argparse.ArgumentTypeError("empty --concurrency")
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    tgt = ap.add_mutually_exclusive_group(required=True)
+    tgt.add_argument("--bundle", help="start eagle3-serve on this bundle twice (spec, then --no-spec) and compare")
+    tgt.add_argument("--base-url", help="benchmark an already running server (one pass), e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="'model' field to send (default: first id of GET /v1/models)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128, help="approximate prompt length in tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
+    ap.add_argument("--concurrency", type=parse_concurrency, default=[1],
+                    help="max in-flight requests; comma list runs each level, e.g. 1,2,4 (inf: no limit)")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests/s with Poisson arrivals (default inf: all at once, capped by --concurrency)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--metric-percentiles", default="99",
+                    help="comma list of percentiles to report besides the median (default 99)")
+    ap.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="use --input-len words per prompt instead of fitting to the server's tokenizer")
+    ap.add_argument("--keep-text", action="store_true", help="keep generated text in the JSON")
+    ap.add_argument("--save-result", default=None, help="write every number (and per-request data) to this JSON")
+    srv = ap.add_argument_group("--bundle mode")
+    srv.add_argument("--server-arg", action="append", default=[],
+                     help="extra eagle3-serve arguments, shell-split, repeatable: --server-arg='--threads 1'")
+    srv.add_argument("--server-cmd", default="eagle3-serve",
+                     help="server launcher (default eagle3-serve; python -m eagle3_runtime.server if not on PATH)")
+    srv.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for GET /health == 200")
+    srv.add_argument("--log-dir", default=None, help="where server logs go (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    args.metric_percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        ap.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.request_rate <= 0:
+        ap.error("--request-rate must be > 0 (inf for no pacing)")
+    if args.base_url:
+        args.base_url = args.base_url.rstrip("/")
+        if args.base_url.endswith("/v1"):
+            args.base_url = args.base_url[:-3]
+    return args
+
+
+def _sigterm(signum, frame):  # run the finally blocks (server shutdown) on SIGTERM as on Ctrl-C
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
+    result: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "config": {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
+                               for k, v in vars(args).items()},
+                    "runs": []}
+    state: dict = {}
+    status = 0
+    try:
+        if args.base_url:
+            result["runs"] += asyncio.run(run_pass(args, args.base_url, "server", state))
+        else:
+            log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench_serve_"))
+            log_dir.mkdir(parents=True, exist_ok=True)
+            result["server_logs"] = str(log_dir)
+            for no_spec in (False, True):
+                label = "no-spec" if no_spec else "spec"
+                server = Server(args, no_spec, log_dir)
+                result.setdefault("server_cmds", {})[label] = server.cmd
+                try:
+                    server.start(args.server_timeout)
+                    result["runs"] += asyncio.run(run_pass(args, server.base_url, label, state))
+                except ServerError as e:
+                    print(f"error ({label} server): {e}", file=sys.stderr)
+                    server.report_failure()
+                    return 2
+                finally:
+                    server.stop()
+            spec = [r for r in result["runs"] if r["mode"] == "spec"]
+            base = [r for r in result["runs"] if r["mode"] == "no-spec"]
+            result["comparison"] = comparison(spec, base)
+            print_comparison(result["comparison"])
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        result["calibration"] = state.get("calibration")
+        result["words_per_prompt"] = state.get("n_words")
+        if args.save_result and result["runs"]:
+            Path(args.save_result).write_text(json.dumps(result, indent=2))
+            print(f"results saved to {args.save_result}")
+    if any(r["metrics"]["failed"] for r in result["runs"]):
+        status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
