@@ -304,7 +304,8 @@ def summarize(xs: list[float], percentiles: list[float]) -> dict:
 async def run_level(args, base_url: str, model: str | None, prompts: list[str], concurrency: int | None,
                     label: str) -> dict:
     url = base_url + "/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency or len(prompts) or 1, max_keepalive_connections=concurrency or 100)
+    n_conn = concurrency or len(prompts)
+    limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         before, metrics_note = await scrape_spec(client, base_url)
@@ -452,8 +453,9 @@ def print_comparison(rows: list[dict]) -> None:
     print("\n" + "{s:{c}^{n}}".format(s=" Speculative vs no-spec ", n=len(hdr), c="="))
     print(hdr)
     for r in rows:
-        print(f"{r['concurrency'] or 'inf':>11} {r['spec_output_throughput']:>11.2f} {r['nospec_output_throughput']:>14.2f} "
-              f"{f(r['speedup'], '.2f') + 'x':>8} {r['spec_median_tpot_ms']:>13.2f} {r['nospec_median_tpot_ms']:>16.2f} "
+        print(f"{r['concurrency'] or 'inf':>11} {r['spec_output_throughput']:>11.2f} "
+              f"{r['nospec_output_throughput']:>14.2f} {f(r['speedup'], '.2f') + 'x':>8} "
+              f"{r['spec_median_tpot_ms']:>13.2f} {r['nospec_median_tpot_ms']:>16.2f} "
               f"{f(r['acceptance_length'], '.2f'):>11}")
     print("(tok/s: output token throughput; TPOT: median; Accept len: 1 + accepted / drafts)")
     print("=" * len(hdr), flush=True)
@@ -586,7 +588,7 @@ async def probe(args, base_url: str, model: str | None, n_words: int, seed: int)
 async def calibrate(args, base_url: str, model: str | None) -> tuple[int, dict]:
     """Words per prompt so that prompts come out near --input-len tokens of the server's tokenizer:
     two probes (which also warm the server up) fit tokens = overhead + per_word * words."""
-    w1, w2 = max(2, args.input_len // 4), max(4, args.input_len // 2)
+    w1, w2 = max(2, args.input_len // 8), max(4, args.input_len // 4)  # small: stay inside prefill buckets
     r1 = await probe(args, base_url, model, w1, args.seed + 10_001)
     r2 = await probe(args, base_url, model, w2, args.seed + 10_002)
     info = {"probe_words": [w1, w2], "probe_prompt_tokens": [r1.prompt_tokens, r2.prompt_tokens]}
@@ -601,7 +603,7 @@ async def calibrate(args, base_url: str, model: str | None) -> tuple[int, dict]:
 
 async def warmup(args, base_url: str, model: str | None) -> None:
     for i in range(2):
-        await probe(args, base_url, model, max(2, args.input_len // 4), args.seed + 10_001 + i)
+        await probe(args, base_url, model, max(2, args.input_len // 8), args.seed + 10_001 + i)
 
 
 async def run_pass(args, base_url: str, label: str, state: dict) -> list[dict]:

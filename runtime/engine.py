@@ -33,7 +33,11 @@ from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
 
 
 class RequestError(ValueError):
-    """A request this bundle cannot serve (the message has the numbers)."""
+    """A request this bundle cannot serve (the message has the numbers; `param` names the field)."""
+
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFull(RuntimeError):
@@ -181,18 +185,19 @@ class Engine:
         if n_prompt >= self.max_len:
             raise RequestError(f"the prompt has {n_prompt} tokens, max_model_len is {self.max_len}: no room to generate")
         if max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})")
+            raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
         if n_prompt + max_tokens > self.max_len:
             raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                               f"{self.max_len}; ask for at most {self.max_len - n_prompt} tokens")
+                               f"{self.max_len}; ask for at most {self.max_len - n_prompt} tokens", "max_tokens")
 
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe). Raises RequestError / QueueFull."""
         self.check_request(len(req.prompt_ids), req.max_tokens)
         req.sampling.validate()
         with self._cv:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            if len(self.waiting) + len(self.active) >= self.max_num_seqs + self.max_queue:
+                raise QueueFull(f"all {self.max_num_seqs} sequence slots are busy and {len(self.waiting)} "
+                                f"requests are waiting (max queue {self.max_queue})")
             self.waiting.append(req)
             self.metrics.queue_depth.set(len(self.waiting))
             self._cv.notify()

@@ -150,7 +150,7 @@ class Server:
         try:
             self.engine.submit(req)
         except RequestError as e:
-            raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else "max_tokens") from None
+            raise APIError(400, str(e), param=e.param) from None
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", type_="server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
@@ -187,11 +187,24 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="eagle3-serve")
     metrics = server.engine.metrics
 
-    @app.middleware("http")
-    async def count(request: HTTPRequest, call_next):
-        response = await call_next(request)
-        metrics.http_requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    class CountRequests:
+        """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect handling)."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+
+            async def counting_send(message):
+                if message["type"] == "http.response.start":
+                    metrics.http_requests.labels(scope["path"], str(message["status"])).inc()
+                await send(message)
+
+            await self.app(scope, receive, counting_send)
+
+    app.add_middleware(CountRequests)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -299,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
-    ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before HTTP 503")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a free sequence slot before HTTP 503")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
     args = ap.parse_args(argv)

@@ -197,7 +197,8 @@ def _tv(counts: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _null_threshold(p: torch.Tensor, n: int, gen: torch.Generator) -> float:
-    """99.9th percentile of the TV statistic for n samples drawn directly from p (NULL_REPS repetitions)."""
+    """99.9th percentile of the TV statistic for n samples drawn directly from p (NULL_REPS repetitions;
+    with 200 that is about the largest null value, i.e. a false-alarm rate of ~1/200 per check)."""
     draws = torch.multinomial(p.expand(NULL_REPS, -1), n, replacement=True, generator=gen)  # [R, n]
     counts = torch.zeros(NULL_REPS, p.numel()).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float))
     return float(torch.quantile(_tv(counts, p), QUANTILE))
@@ -300,10 +301,11 @@ def _bonus_from_wrong_position(logits, drafts, params, gen):
     return a, out
 
 
-@pytest.mark.parametrize("broken", [_always_accept, _resample_from_p, _bonus_from_wrong_position])
-def test_broken_sampler_fails_the_check(broken):
+@pytest.mark.parametrize("broken, trials", [(_always_accept, 5000), (_resample_from_p, 5000),
+                                            (_bonus_from_wrong_position, TRIALS)])
+def test_broken_sampler_fails_the_check(broken, trials):
     logits, params = _fixed_logits(), SamplingParams(temperature=1.0)
     probs = target_probs(logits, params)
-    results = _conditional_checks(broken, logits, _good_drafts(probs), params)
+    results = _conditional_checks(broken, logits, _good_drafts(probs), params, trials=trials)
     _report(f"broken {broken.__name__}", results)
     assert not _passes(results), results
