@@ -12,6 +12,7 @@ class Block:
             raise ImportError(f"{name} is blocked in this test")
         return None
 sys.meta_path.insert(0, Block())
+import eagle3_runtime.server  # the HTTP server imports too (FastAPI, uvicorn, jinja2, prometheus_client)
 from eagle3_runtime.cli import main
 sys.argv[0] = "eagle3-run"
 rc = main()

@@ -244,3 +244,30 @@ def test_queue_full_503(bundle):
         assert r.status_code == 200
     finally:
         s.stop()
+
+
+def test_tp2_server_under_torchrun(bundle, server):
+    """A TP-2 bundle served by torchrun (rank 0 serves HTTP, rank 1 follows): concurrent requests,
+    one finishing early so the other's KV row moves (a broadcast row copy), match TP 1 solo greedy."""
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.recipe import load_recipe
+
+    pair = load_recipe(bundle.parent / "pair" / "recipe.yaml").pairs[0]
+    pair = pair.model_copy(update={"parallel": pair.parallel.model_copy(update={"tp_degree": 2})})
+    tp2 = bundle.parent / "bundle-tp2"
+    build_bundle(pair, tp2)
+    solo = {p: complete(server.url, prompt=p, max_tokens=n)["choices"][0]["token_ids"]
+            for p, n in ((PROMPTS[0], 6), (PROMPTS[1], 40))}
+    s = ServerProc(tp2, torchrun=2)
+    try:
+        out: dict = {}
+        threads = [threading.Thread(target=stream_tokens, args=(s.url, p, n, out, p))
+                   for p, n in ((PROMPTS[0], 6), (PROMPTS[1], 40))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for p in solo:
+            assert out[p][0] == solo[p], p
+    finally:
+        s.stop()
