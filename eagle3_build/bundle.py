@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, FileEntry, GraphEntry, Manifest, ModelEntry,
+from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry,
                                      TensorSpec, file_entry)
 
 from . import __version__

@@ -5,10 +5,10 @@ import argparse
 import json
 import sys
 
-from .bundle import Bundle, BundleError, read_manifest
+from .bundle import BundleError
 from .engine import Engine, RequestError
 from .tokenizer import BundleTokenizer
-from .tp import init_tp, shutdown, stop_workers, worker_loop, wrap_driver
+from .tp import open_bundle, shutdown, stop_workers
 
 
 def set_threads(n: int | None) -> None:
@@ -35,15 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     ctx = None
     try:
-        from pathlib import Path
-
-        ctx = init_tp(read_manifest(Path(args.bundle)))
-        bundle = Bundle(args.bundle, rank=ctx.rank if ctx else 0)
-        if ctx is not None and not ctx.is_driver:
-            worker_loop(bundle, ctx)
+        bundle, ctx = open_bundle(args.bundle)
+        if bundle is None:  # a TP worker rank: the driver has finished
             return 0
-        if ctx is not None:
-            wrap_driver(bundle, ctx)
         tok = BundleTokenizer(bundle.root)
         engine = Engine(bundle, detokenize=tok.decode)
         prompt_ids = tok.encode(args.prompt)

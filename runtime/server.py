@@ -17,14 +17,13 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .bundle import Bundle, BundleError, read_manifest
+from .bundle import Bundle, BundleError
 from .chat import ChatTemplate
 from .engine import Engine, Event, QueueFull, Request, RequestError
 from .sampling import SamplingParams
@@ -317,24 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
     args = ap.parse_args(argv)
     from .cli import set_threads
-    from .tp import init_tp, shutdown, stop_workers, worker_loop, wrap_driver
+    from .tp import open_bundle, shutdown, stop_workers
 
     set_threads(args.threads)
-    ctx = None
     try:
-        ctx = init_tp(read_manifest(Path(args.bundle)))
-        bundle = Bundle(args.bundle, rank=ctx.rank if ctx else 0)
-        if ctx is not None and not ctx.is_driver:
-            worker_loop(bundle, ctx)
-            return 0
-        if ctx is not None:
-            wrap_driver(bundle, ctx)
-        server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
-                        model_name=args.served_model_name)
+        bundle, ctx = open_bundle(args.bundle)
     except BundleError as e:
         print(f"error: {e}", file=sys.stderr)
-        shutdown(ctx)
         return 2
+    if bundle is None:  # a TP worker rank: the driver has finished
+        shutdown(ctx)
+        return 0
+    server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
+                    model_name=args.served_model_name)
     import uvicorn
 
     server.start()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .bundle import DTYPES, Bundle, BundleError, Graph
+from .bundle import DTYPES, Bundle, BundleError, Graph, read_manifest
 from .manifest import Manifest
 
 STOP = -1
@@ -103,7 +104,27 @@ def stop_workers(ctx: TPContext) -> None:
     dist.broadcast(torch.tensor([STOP, 0, 0], dtype=torch.int64), src=0, group=ctx.ctrl)
 
 
-def shutdown(ctx: TPContext | None) -> None:
+def shutdown(ctx: TPContext | None, barrier: bool = True) -> None:
     if ctx is not None and dist.is_initialized():
-        dist.barrier(group=ctx.ctrl)
+        if barrier:
+            dist.barrier(group=ctx.ctrl)
         dist.destroy_process_group()
+
+
+def open_bundle(path: str | Path) -> tuple[Bundle | None, TPContext | None]:
+    """Load this process's rank of a bundle, joining the torchrun world when the bundle is TP.
+
+    Rank 0 gets (bundle, ctx) with its graphs announcing every call to the workers; ranks > 0 run
+    the worker loop here until the driver stops them and get (None, ctx)."""
+    ctx = init_tp(read_manifest(Path(path)))
+    try:
+        bundle = Bundle(path, rank=ctx.rank if ctx else 0)
+    except BaseException:
+        shutdown(ctx, barrier=False)
+        raise
+    if ctx is not None and not ctx.is_driver:
+        worker_loop(bundle, ctx)
+        return None, ctx
+    if ctx is not None:
+        wrap_driver(bundle, ctx)
+    return bundle, ctx
