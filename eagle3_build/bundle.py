@@ -67,7 +67,7 @@ Progress = Callable[[str, GraphSpec | None, int, int], None]
 def build_bundle(pair: PairRecipe, out: Path, progress: Progress | None = None) -> Manifest:
     """Build one pair into `out` (replaced atomically). Returns the manifest written."""
     progress = progress or (lambda *a: None)
-    backend = get_backend(pair.backend)
+    backend = get_backend(pair.backend, pair.backend_options)
     progress("load", None, 0, 0)
     lp = load_pair(pair)
     out = Path(out)
@@ -155,7 +155,7 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, progress: Progress) -> Ma
     # --- graphs (traced once; with tp > 1 the collectives are traced against a fake process group)
     specs = graph_plan(pair)
     (root / "graphs").mkdir()
-    graph_entries = []
+    graph_entries, extra_files = [], []
     with tracing_process_group(tp):
         for i, spec in enumerate(specs):
             progress("graph", spec, i, len(specs))
@@ -172,6 +172,8 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, progress: Progress) -> Ma
             outs = backend.output_specs(module, args)
             path = root / "graphs" / f"{spec.name}{backend.SUFFIX}"
             info = backend.compile_graph(module, args, path)
+            if info.get("neff"):  # the raw NEFF next to the loadable module
+                extra_files.append(path.with_name(info["neff"]))
             graph_entries.append(GraphEntry(
                 name=spec.name, role=spec.role, model=spec.model, bucket=spec.bucket,
                 file=file_entry(root, path), weights=qnames, state=kv_spec.name,
@@ -183,7 +185,7 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, progress: Progress) -> Ma
 
     # --- tokenizer and configs
     progress("tokenizer", None, 0, 0)
-    files = _write_tokenizer(t, root / "tokenizer")
+    files = _write_tokenizer(t, root / "tokenizer") + extra_files
     (root / "configs").mkdir()
     for name, ckpt in (("target", t), ("draft", d)):
         p = root / "configs" / f"{name}_config.json"
@@ -227,9 +229,12 @@ def tracing_process_group(tp: int):
 def toolchain(backend) -> dict[str, str]:
     import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
+    info = {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "eagle3_build": __version__,
             "backend": backend.NAME, "backend_version": backend.version()}
+    if hasattr(backend, "toolchain"):
+        info |= backend.toolchain()
+    return info
 
 
 def _jsonable(x):

@@ -33,19 +33,37 @@ def _pairs(recipe: Path, pair: Optional[str]):
         fail(str(e))
 
 
+def _with_backend(pairs, backend: Optional[str]):
+    from .backends import BACKENDS
+
+    if backend is None:
+        return pairs
+    if backend not in BACKENDS:
+        fail(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    return [p.model_copy(update={"backend": backend}) for p in pairs]
+
+
 @app.command("compile")
 def compile_cmd(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
     pair: Optional[str] = typer.Option(None, "--pair", help="build only this pair"),
     out: Optional[Path] = typer.Option(None, "--out", help="bundle directory (one pair only); default artifacts/<name>"),
     artifacts: Path = typer.Option(Path("artifacts"), "--artifacts", help="where bundles go by default"),
+    backend: Optional[str] = typer.Option(None, "--backend", help="override the recipe's backend (export | neuron)"),
 ):
     """Build every pair of RECIPE into a bundle."""
-    from .bundle import build_bundle
+    from .backends import preflight
 
-    pairs = _pairs(recipe, pair)
+    pairs = _with_backend(_pairs(recipe, pair), backend)
     if out is not None and len(pairs) != 1:
         fail(f"--out needs exactly one pair, the recipe has {len(pairs)}; add --pair NAME")
+    try:  # before importing torch / reading checkpoints: a missing SDK fails at once
+        for p in pairs:
+            preflight(p.backend)
+    except UserError as e:
+        fail(str(e))
+    from .bundle import build_bundle
+
     for p in pairs:
         dest = out or artifacts / p.name
         t0 = time.perf_counter()
@@ -77,21 +95,36 @@ def plan_cmd(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
     pair: Optional[str] = typer.Option(None, "--pair"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    backend: Optional[str] = typer.Option(None, "--backend", help="override the recipe's backend"),
 ):
-    """List every graph a recipe builds, without loading checkpoints or compiling."""
-    from .bundle import graph_plan
+    """List every graph a recipe builds, without loading checkpoints or compiling (for neuron: every
+    NEFF with its exact neuronx-cc command; no SDK needed)."""
+    from .graphs import plan_graphs
 
     result = []
-    for p in _pairs(recipe, pair):
+    for p in _with_backend(_pairs(recipe, pair), backend):
         K = p.speculation.num_speculative_tokens
+        cc_args = None
+        if p.backend == "neuron":
+            from .backends.neuron import compiler_args
+
+            try:
+                cc_args = compiler_args(p.backend_options)
+            except UserError as e:
+                fail(f"pair {p.name}: {e}")
         graphs = []
-        for g in graph_plan(p):
+        for g in plan_graphs(p.buckets.prefill, p.buckets.batch):
             tokens = g.bucket if g.role.endswith("prefill") else g.bucket * (K + 1 if g.role in (
                 "target_verify", "draft_catchup") else 1)
-            graphs.append({"name": g.name, "role": g.role, "model": g.model, "bucket": g.bucket,
-                           "tokens_per_call": tokens})
+            entry = {"name": g.name, "role": g.role, "model": g.model, "bucket": g.bucket, "tokens_per_call": tokens}
+            if cc_args is not None:
+                from .backends.neuron import neuronx_cc_command
+
+                entry["artifact"] = f"graphs/{g.name}.neff"
+                entry["compiler_command"] = neuronx_cc_command(g.name, cc_args)
+            graphs.append(entry)
         result.append({"pair": p.name, "backend": p.backend, "tp_degree": p.parallel.tp_degree,
-                       "num_speculative_tokens": K, "graphs": graphs})
+                       "num_speculative_tokens": K, "compiler_args": cc_args, "graphs": graphs})
     if as_json:
         out_console.print_json(json.dumps(result))
         return
@@ -103,6 +136,10 @@ def plan_cmd(
             t.add_row(g["name"], g["role"], g["model"], str(g["bucket"]), str(g["tokens_per_call"]))
         out_console.print(t)
         out_console.print(f"{len(r['graphs'])} graphs")
+        if r["compiler_args"] is not None:
+            out_console.print("neuronx-cc commands (run by torch_neuronx.trace, one NEFF per graph):")
+            for g in r["graphs"]:
+                out_console.print(f"  {g['compiler_command']}", highlight=False, soft_wrap=True)
 
 
 @app.command("inspect")

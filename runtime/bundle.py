@@ -92,13 +92,20 @@ def _cached_type_hints():
         ser.typing = real
 
 
-def load_graph_export(path: Path) -> GraphFn:
+def load_graph_export(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
     with _cached_type_hints():
         ep = torch.export.load(str(path))
     return ep.module()
 
 
-LOADERS: dict[str, Callable[[Path], GraphFn]] = {"export": load_graph_export}
+def load_graph_neuron(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
+    from .neuron import load_graph
+
+    return load_graph(path, entry, weights)
+
+
+LOADERS: dict[str, Callable[[Path, GraphEntry, tuple], GraphFn]] = {"export": load_graph_export,
+                                                                    "neuron": load_graph_neuron}
 
 
 @dataclass
@@ -142,6 +149,13 @@ class Bundle:
         if m.backend not in LOADERS:
             raise BundleError(f"{self.root}: backend {m.backend!r} cannot be served by this runtime "
                               f"(available: {', '.join(LOADERS)})")
+        if m.backend == "neuron":
+            from .neuron import NeuronHostError, check_host
+
+            try:
+                check_host(m)
+            except NeuronHostError as e:
+                raise BundleError(f"{self.root}: {e}") from None
         self.rank = rank
         self.weights: dict[str, torch.Tensor] = {}
         for name, model in m.models.items():
@@ -155,9 +169,9 @@ class Bundle:
             if missing:
                 raise BundleError(f"{self.root}: graph {g.name} needs weights {missing[:3]} that no weight file "
                                   "holds; the bundle is inconsistent — rebuild it")
-            self.graphs[(g.role, g.bucket)] = Graph(g, loader(self.root / g.file.path),
-                                                    tuple(self.weights[w] for w in g.weights), self.state[g.state],
-                                                    torch.tensor([rank], dtype=torch.int64))
+            weights = tuple(self.weights[w] for w in g.weights)
+            self.graphs[(g.role, g.bucket)] = Graph(g, loader(self.root / g.file.path, g, weights), weights,
+                                                    self.state[g.state], torch.tensor([rank], dtype=torch.int64))
 
     def copy_kv_row(self, src: int, dst: int) -> None:
         """Move a sequence's KV-cache row (dim 2 of every cache) from row `src` to row `dst`."""

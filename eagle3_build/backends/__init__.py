@@ -1,15 +1,47 @@
 """Backends turn a traced graph module into a graph file. Each exposes NAME, SUFFIX, version(),
-compile_graph(module, example_args, out_path) -> info dict and output_specs(module, example_args)."""
+compile_graph(module, example_args, out_path) -> info dict, output_specs(module, example_args) and
+optionally toolchain() -> extra manifest entries.
+
+`preflight` runs before anything heavy (no torch import), so a missing SDK fails in well under a second.
+"""
 from __future__ import annotations
+
+import importlib.util
 
 from ..errors import UserError
 
 BACKENDS = ("export", "aoti", "neuron")
+NEURON_SDK = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "libneuronxla": "libneuronxla"}
+NEURON_INSTALL_HINT = (
+    "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host "
+    "(pip install --extra-index-url https://pip.repos.neuron.amazonaws.com torch-neuronx neuronx-cc "
+    "libneuronxla; PyPI only has placeholder packages by those names)")
 
 
-def get_backend(name: str):
+def missing_neuron_sdk() -> list[str]:
+    return [dist for mod, dist in NEURON_SDK.items() if importlib.util.find_spec(mod) is None]
+
+
+def preflight(name: str) -> None:
+    if name not in BACKENDS:
+        raise UserError(f"backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "aoti":
+        raise UserError("backend aoti is not available in this build yet; use backend: export")
+    if name == "neuron":
+        missing = missing_neuron_sdk()
+        if missing:
+            raise UserError(
+                f"backend neuron needs the Neuron SDK and {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not installed: {NEURON_INSTALL_HINT}. Without the SDK, "
+                "`eagle3-build plan RECIPE --backend neuron` lists every NEFF with its exact compiler command")
+
+
+def get_backend(name: str, options: dict | None = None):
+    preflight(name)
     if name == "export":
         from . import export
 
         return export
-    raise UserError(f"backend {name!r} is not available in this build (available: export)")
+    from .neuron import NeuronBackend
+
+    return NeuronBackend(options or {})

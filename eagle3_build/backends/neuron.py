@@ -1,0 +1,165 @@
+"""Backend `neuron`: every graph traced with torch_neuronx.trace into a NEFF (neuronx-cc).
+
+Per graph (REFERENCE §6):
+  * the graph module keeps its weights as parameters and is traced with
+    `inline_weights_to_neff=False`, so one NEFF serves every rank: the runtime binds each rank's
+    weights with `torch_neuronx.replace_weights`;
+  * the KV cache is an input that the traced function also returns, marked as a state tensor
+    through `input_output_aliases={kv: last output}` (updated in place on the device);
+  * the rank is a tensor input (never a Python int frozen into the NEFF);
+  * compiler flags come from the recipe (`backend_options.compiler_args`) over LLM defaults, and
+    compiling on CPU-only hosts works through `--target`; `NEURON_CC_FLAGS` in the environment is
+    refused unless `backend_options.fold_env_flags: true`, which folds it into the recorded flags.
+The artifact is the TorchScript module embedding the NEFF (`graphs/<name>.pt`, torch.jit.save) plus
+the raw `graphs/<name>.neff` from the compiler workdir.
+
+Verified here (no Neuron SDK can be installed): flag handling, the plan, the SDK/version checks,
+and — with a stand-in torch_neuronx module — that each graph is traced with the right example
+inputs, aliases and compiler arguments. The NEFF compile itself runs only on a host with the SDK.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from . import NEURON_SDK, preflight
+
+NAME = "neuron"
+SUFFIX = ".pt"
+
+DEFAULT_ARGS = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none", "-O1"]
+
+
+# ------------------------------------------------------------------ flags
+
+def _flag_map(args: list[str]) -> list[tuple[str, str | None]]:
+    """['--target','trn2','-O1','--lnc=2'] -> [('--target','trn2'), ('-O1', None), ('--lnc','2')]."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if "=" in a and a.startswith("--"):
+            k, v = a.split("=", 1)
+            out.append((k, v))
+        elif a.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            out.append((a, args[i + 1]))
+            i += 1
+        else:
+            out.append((a, None))
+        i += 1
+    return out
+
+
+def compiler_args(backend_options: dict, environ: dict | None = None) -> list[str]:
+    """Recipe flags over the LLM defaults (a recipe flag replaces the default of the same name;
+    any -O level replaces -O1). NEURON_CC_FLAGS is never applied silently."""
+    environ = os.environ if environ is None else environ
+    user = backend_options.get("compiler_args", [])
+    if isinstance(user, str):
+        user = shlex.split(user)
+    env_flags = shlex.split(environ.get("NEURON_CC_FLAGS", ""))
+    if env_flags and not backend_options.get("fold_env_flags", False):
+        raise UserError(f"NEURON_CC_FLAGS is set ({' '.join(env_flags)!r}) and would change the compiled graphs "
+                        "without being recorded; unset it, or put the flags under backend_options.compiler_args, "
+                        "or set backend_options.fold_env_flags: true to record them in the manifest")
+    merged: dict[str, str | None] = {}
+    for k, v in _flag_map(DEFAULT_ARGS) + _flag_map(list(user)) + _flag_map(env_flags):
+        if k.startswith("-O") and not k.startswith("--"):
+            merged = {kk: vv for kk, vv in merged.items() if not (kk.startswith("-O") and not kk.startswith("--"))}
+        merged[k] = v
+    out = []
+    for k, v in merged.items():
+        out += [k] if v is None else [k, v]
+    return out
+
+
+def flag_value(args: list[str], name: str) -> str | None:
+    return dict(_flag_map(args)).get(name)
+
+
+def neuronx_cc_command(name: str, args: list[str]) -> str:
+    """The neuronx-cc invocation torch_neuronx.trace runs for one graph (as the plan prints it)."""
+    return shlex.join(["neuronx-cc", "compile", "--framework", "XLA", f"{name}.hlo.pb", "--output", f"{name}.neff",
+                       *args])
+
+
+# ------------------------------------------------------------------ SDK
+
+def sdk_versions() -> dict[str, str]:
+    """Versions of the installed Neuron SDK packages (UserError naming what is missing)."""
+    preflight(NAME)
+    return {dist: str(getattr(importlib.import_module(mod), "__version__", "unknown"))
+            for mod, dist in NEURON_SDK.items()}
+
+
+class NeuronBackend:
+    """Bound to one recipe pair's options (flags are validated once, before any graph)."""
+
+    NAME, SUFFIX = NAME, SUFFIX
+
+    def __init__(self, backend_options: dict):
+        self.versions = sdk_versions()  # fails fast, before any checkpoint is read
+        self.args = compiler_args(backend_options)
+        self.target = flag_value(self.args, "--target") or "trn2"
+        self.lnc = int(flag_value(self.args, "--lnc") or 2)
+
+    def version(self) -> str:
+        return self.versions["torch-neuronx"]
+
+    def toolchain(self) -> dict[str, str]:
+        return {"neuronx_cc": self.versions["neuronx-cc"], "torch_neuronx": self.versions["torch-neuronx"],
+                "libneuronxla": self.versions["libneuronxla"], "neuron_target": self.target,
+                "neuron_lnc": str(self.lnc), "neuron_compiler_args": shlex.join(self.args)}
+
+    def output_specs(self, module: torch.nn.Module, example_args: tuple):
+        from .export import output_specs
+
+        return output_specs(module, example_args)
+
+    def compile_graph(self, module: torch.nn.Module, example_args: tuple, out: Path) -> dict:
+        import torch_neuronx
+
+        weights, kv, *inputs = example_args
+        traced_fn = StatefulGraph(module, weights)
+        example = (kv, *inputs)
+        n_out = len(self.output_specs(module, example_args))
+        workdir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-", dir=out.parent))
+        try:
+            traced = torch_neuronx.trace(traced_fn, example, input_output_aliases={kv: n_out},
+                                         compiler_workdir=str(workdir), compiler_args=list(self.args),
+                                         inline_weights_to_neff=False)
+            torch.jit.save(traced, str(out))
+            neffs = sorted(workdir.rglob("*.neff"))
+            if neffs:
+                shutil.copyfile(neffs[0], out.with_suffix(".neff"))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return {"format": "torchscript+neff", "param_names": traced_fn.param_names, "kv_output_index": n_out,
+                "compiler_args": list(self.args), "neff": out.with_suffix(".neff").name}
+
+
+class StatefulGraph(torch.nn.Module):
+    """What torch_neuronx traces: the role module with its weights set as real (non-inlined)
+    parameters, taking (kv, rank, *inputs) and returning (*outputs, kv) so that the cache can be
+    aliased as device state. Tracers cannot see through functional_call, so weights are bound here."""
+
+    def __init__(self, bound_graph: torch.nn.Module, weights: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.role = bound_graph.role_module
+        for name, w in zip(bound_graph.weight_names, weights):
+            parent, _, leaf = name.rpartition(".")
+            mod = self.role.get_submodule(parent)
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = torch.nn.Parameter(w, requires_grad=False)
+            else:
+                mod._buffers[leaf] = w
+        self.param_names = [f"role.{n}" for n in bound_graph.weight_names]  # names in the traced state_dict
+
+    def forward(self, kv, *inputs):
+        return (*self.role(kv, *inputs), kv)

@@ -1,0 +1,194 @@
+"""The neuron backend without the Neuron SDK: fast refusal, plan, flags, host checks, and a
+CONTRACT TEST with a stand-in `torch_neuronx` (torch.jit.trace on CPU instead of neuronx-cc)."""
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from eagle3_build.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none", "-O1"]
+
+
+def test_missing_sdk_fails_fast_without_loading_anything(tmp_path):
+    from eagle3_build.tiny import make_tiny_pair
+
+    recipe = make_tiny_pair(tmp_path / "pair")
+    art = tmp_path / "artifacts"
+    code = ("import sys; from eagle3_build.cli import main; sys.argv = ['eagle3-build', 'compile', sys.argv[1], "
+            "'--backend', 'neuron', '--artifacts', sys.argv[2]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH'); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(recipe), str(art)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "NO_TORCH" in r.stdout  # refused before torch, transformers or any checkpoint was touched
+    msg = " ".join(r.stderr.split())
+    assert "torch-neuronx" in msg and "neuronx-cc" in msg and "plan RECIPE --backend neuron" in msg
+    assert "Traceback" not in r.stderr and not art.exists()
+
+
+@pytest.mark.parametrize("recipe,graphs,tp", [
+    ("llama31-8b-eagle3.yaml", 5 * 2 + 2 * 4, 8),
+    ("gpt-oss-120b-eagle3.yaml", 1 * 2 + 1 * 4, 16),
+])
+def test_plan_neuron_seed_recipes(recipe, graphs, tp):
+    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / recipe), "--backend", "neuron", "--json")
+    assert r.returncode == 0, r.stderr
+    (plan,) = json.loads(r.stdout)
+    assert plan["backend"] == "neuron" and plan["tp_degree"] == tp and len(plan["graphs"]) == graphs
+    assert plan["compiler_args"] == DEFAULT
+    for g in plan["graphs"]:
+        assert g["artifact"] == f"graphs/{g['name']}.neff"
+        assert g["compiler_command"].startswith(f"neuronx-cc compile --framework XLA {g['name']}.hlo.pb --output "
+                                                f"{g['name']}.neff --target trn2 --lnc 2")
+
+
+def test_compiler_flags():
+    from eagle3_build.backends.neuron import compiler_args
+
+    assert compiler_args({}, environ={}) == DEFAULT
+    got = compiler_args({"compiler_args": ["-O2", "--lnc", "1", "--enable-fast-loading-neuron-binaries"]}, environ={})
+    assert got == ["--target", "trn2", "--lnc", "1", "--model-type", "transformer", "--auto-cast", "none", "-O2",
+                   "--enable-fast-loading-neuron-binaries"]
+    with pytest.raises(UserError, match="NEURON_CC_FLAGS is set"):
+        compiler_args({}, environ={"NEURON_CC_FLAGS": "--auto-cast all"})
+    folded = compiler_args({"fold_env_flags": True}, environ={"NEURON_CC_FLAGS": "--auto-cast all"})
+    assert folded[folded.index("--auto-cast") + 1] == "all"
+
+
+def test_plan_refuses_env_flags(monkeypatch):
+    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / "llama31-8b-eagle3.yaml"), "--backend", "neuron",
+                env={"NEURON_CC_FLAGS": "-O3"})
+    assert r.returncode == 2 and "NEURON_CC_FLAGS" in r.stderr
+
+
+# ------------------------------------------------------------------ runtime host checks
+
+def manifest_stub(tp=2, **tc):
+    toolchain = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1", "neuron_target": "trn2",
+                 "neuron_lnc": "2"} | tc
+    return types.SimpleNamespace(toolchain=toolchain, tp_degree=tp)
+
+
+SAME = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1"}
+
+
+def test_host_checks_name_the_fix():
+    from eagle3_runtime.neuron import NeuronHostError, check_host
+
+    one_device = ["/dev/neuron0"]  # trn2: 8 physical cores -> 4 logical at lnc 2
+    check_host(manifest_stub(), environ={}, devices=one_device, versions=SAME)
+    with pytest.raises(NeuronHostError, match="neuronx-cc is not installed"):
+        check_host(manifest_stub(), environ={}, devices=one_device, versions={k: v for k, v in SAME.items()
+                                                                              if k != "neuronx_cc"})
+    with pytest.raises(NeuronHostError, match=r"compiled with neuronx-cc 2.21.1, this host has 2.22.0.*"
+                                              r"install neuronx-cc==2.21.1"):
+        check_host(manifest_stub(), environ={}, devices=one_device, versions=SAME | {"neuronx_cc": "2.22.0"})
+    with pytest.raises(NeuronHostError, match="set NEURON_LOGICAL_NC_CONFIG=2"):
+        check_host(manifest_stub(), environ={"NEURON_LOGICAL_NC_CONFIG": "1"}, devices=one_device, versions=SAME)
+    with pytest.raises(NeuronHostError, match="needs 8 logical NeuronCores.*has 4"):
+        check_host(manifest_stub(tp=8), environ={}, devices=one_device, versions=SAME)
+    check_host(manifest_stub(tp=8), environ={}, devices=one_device * 2, versions=SAME)
+
+
+# ------------------------------------------------------------------ contract test
+
+class StandInNeuronx:
+    """CONTRACT-TEST STAND-IN for torch_neuronx: records every trace() call and 'compiles' with
+    torch.jit.trace on CPU, writing a placeholder graph.neff into the compiler workdir."""
+
+    __version__ = "0.0.0-standin"
+
+    def __init__(self):
+        self.calls = []
+
+    def trace(self, func, example_inputs, *_, input_output_aliases=None, compiler_workdir=None, compiler_args=None,
+              inline_weights_to_neff=True, **kw):
+        outs = func(*[x.clone() for x in example_inputs])
+        self.calls.append({"func": func, "inputs": example_inputs, "aliases": input_output_aliases,
+                           "workdir": compiler_workdir, "args": compiler_args, "inline": inline_weights_to_neff,
+                           "n_outputs": len(outs)})
+        Path(compiler_workdir, "graph.neff").write_bytes(b"NEFF stand-in")
+        return torch.jit.trace(func, tuple(x.clone() for x in example_inputs), check_trace=False, strict=False)
+
+    @staticmethod
+    def replace_weights(model, weights):
+        sd = model.state_dict()
+        assert set(weights) <= set(sd), sorted(set(weights) - set(sd))[:3]
+        with torch.no_grad():
+            for k, v in weights.items():
+                sd[k].copy_(v)
+
+
+@pytest.fixture
+def standin_sdk(monkeypatch):
+    neuronx = StandInNeuronx()
+    mod = types.ModuleType("torch_neuronx")
+    mod.__version__, mod.trace, mod.replace_weights = neuronx.__version__, neuronx.trace, neuronx.replace_weights
+    monkeypatch.setitem(sys.modules, "torch_neuronx", mod)
+    for name in ("neuronxcc", "libneuronxla"):
+        m = types.ModuleType(name)
+        m.__version__ = "0.0.0-standin"
+        monkeypatch.setitem(sys.modules, name, m)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: sys.modules[n].__spec__ or object() if n in ("torch_neuronx", "neuronxcc",
+                                                                                  "libneuronxla") else real(n, *a))
+    return neuronx
+
+
+def test_contract_neuron_backend_traces_every_graph(standin_sdk, tmp_path, monkeypatch):
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.recipe import load_recipe
+    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+
+    recipe = make_tiny_pair(tmp_path / "pair", num_speculative_tokens=3)
+    pair = load_recipe(recipe).pairs[0]
+    export_dir = tmp_path / "export"
+    build_bundle(pair, export_dir)
+    neuron_pair = pair.model_copy(update={"backend": "neuron",
+                                          "backend_options": {"compiler_args": ["-O2"]}})
+    out = tmp_path / "neuron"
+    m = build_bundle(neuron_pair, out)
+
+    expected_args = [a if a != "-O1" else "-O2" for a in DEFAULT]
+    assert len(standin_sdk.calls) == len(m.graphs) == 8
+    for call, g in zip(standin_sdk.calls, m.graphs):
+        # example inputs: the KV cache, then rank and the graph's step inputs, with manifest shapes
+        kv, *inputs = call["inputs"]
+        state = {s.name: s for s in m.state}[g.state]
+        assert list(kv.shape) == state.shape
+        assert [list(x.shape) for x in inputs] == [i.shape for i in g.inputs]
+        # the cache is marked as state, aliased to the last output (the traced function returns it)
+        (alias_in, alias_out), = call["aliases"].items()
+        assert alias_in is kv and alias_out == call["n_outputs"] - 1 == len(g.outputs)
+        assert call["args"] == expected_args and call["inline"] is False
+        assert g.file.path == f"graphs/{g.name}.pt" and (out / g.file.path).is_file()
+        assert (out / "graphs" / f"{g.name}.neff").read_bytes() == b"NEFF stand-in"
+        assert g.backend["compiler_args"] == expected_args
+    assert any(f.path.endswith(".neff") for f in m.files)
+    tc = m.toolchain
+    assert tc["neuronx_cc"] == tc["torch_neuronx"] == tc["libneuronxla"] == "0.0.0-standin"
+    assert tc["neuron_target"] == "trn2" and tc["neuron_lnc"] == "2" and "-O2" in tc["neuron_compiler_args"]
+
+    # the runtime loads it through the neuron loader (host check + replace_weights per rank) and
+    # the stand-in graphs decode exactly like the export bundle
+    monkeypatch.setenv("NEURON_RT_NUM_CORES", "4")
+    import eagle3_runtime.neuron as rn
+
+    monkeypatch.setattr(rn, "installed_versions", lambda: {k: "0.0.0-standin" for k in rn.SDK.values()})
+    ids = [0, 333, 223, 83, 87, 75, 493, 279]
+    neuron_out = Engine(Bundle(out)).generate(ids, 24)
+    export_out = Engine(Bundle(export_dir)).generate(ids, 24)
+    assert neuron_out.token_ids == export_out.token_ids
+    assert neuron_out.stats.num_drafts > 0
