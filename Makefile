@@ -16,7 +16,7 @@ setup: $(BIN)/.installed
 
 # the default test run (what CI runs)
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # everything, slow tests included
 test-all: setup
