@@ -271,3 +271,20 @@ def test_tp2_server_under_torchrun(bundle, server):
             assert out[p][0] == solo[p], p
     finally:
         s.stop()
+
+
+def test_stop_string_ends_sequence(server):
+    full = complete(server.url, prompt=PROMPTS[3], max_tokens=30)["choices"][0]
+    text = full["text"]
+    stop = text[8:12]
+    assert stop and stop in text
+    cut = text.index(stop)
+    got = complete(server.url, prompt=PROMPTS[3], max_tokens=30, stop=[stop, "never-appears"])["choices"][0]
+    assert got["finish_reason"] == "stop" and got["text"] == text[:cut]
+    # streamed, the stop string is never sent, not even partly
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "stream": True,
+                            "stop": stop}) as r:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                           if line.startswith("data: {"))
+    assert streamed == text[:cut]
