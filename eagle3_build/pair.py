@@ -9,6 +9,7 @@ import torch
 from .checkpoints import DraftCheckpoint, TargetCheckpoint
 from .errors import PairError
 from .models.eagle3 import Eagle3Draft
+from .models.gpt_oss import GptOss, GptOssArgs
 from .models.llama import Llama
 
 
@@ -18,10 +19,11 @@ def meta_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return out
 
 
-def build_target(t: TargetCheckpoint, aux_layer_ids, layout=None) -> Llama:
+def build_target(t: TargetCheckpoint, aux_layer_ids, layout=None) -> Llama | GptOss:
     """The target on the meta device (rank-local shapes when `layout` shards/pads it)."""
+    cls = GptOss if isinstance(t.args, GptOssArgs) else Llama
     with torch.device("meta"):
-        return Llama(t.args, tuple(aux_layer_ids), layout)
+        return cls(t.args, tuple(aux_layer_ids), layout)
 
 
 def build_draft(d: DraftCheckpoint, layout=None) -> Eagle3Draft:

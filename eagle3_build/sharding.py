@@ -11,7 +11,11 @@ Notation: H_u unpadded hidden, H_p padded hidden; tp ranks, rank r.
 * vocab-parallel (embeddings, lm_heads): ceil(V / tp) rows per rank, short trailing ranks zero-padded;
 * replicated: norms, the draft's fc / input_norm, d2t;
 * hidden padding: zero columns/rows up to H_p; fc's 3 aux chunks and the draft q/k/v's 2 input halves
-  are padded each at its own end.
+  are padded each at its own end;
+* GPT-OSS: sinks go with their q heads, the router is replicated, the stacked experts
+  (gate_up [E, H, 2I] with interleaved gate/up columns, down [E, I, H]) are sharded on the intermediate
+  dim -- whole (gate, up) pairs per rank -- and padded like the hidden (zero-gated channels); they
+  stream one expert at a time.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ class Layout:
 
     @property
     def padded_intermediate(self) -> int:
-        return math.ceil(self.intermediate / self.tp) * self.tp
+        return padded_intermediate_size(self.intermediate, self.hidden, self.padded_hidden, self.tp)
 
     @property
     def intermediate_per_rank(self) -> int:
@@ -71,6 +75,15 @@ class Layout:
         return {"tp": self.tp, "hidden": self.hidden, "padded_hidden": self.padded_hidden,
                 "heads_per_rank": self.heads_per_rank, "kv_heads_per_rank": self.kv_heads_per_rank,
                 "vocab_per_rank": self.vocab_per_rank, "intermediate_per_rank": self.intermediate_per_rank}
+
+
+def padded_intermediate_size(intermediate: int, hidden: int, padded_hidden: int, tp: int) -> int:
+    """The MLP / expert intermediate width the ranks hold, rounded up to a multiple of tp. When it equals
+    the hidden size (GPT-OSS: 2880) it is padded together with the hidden (-> 3072; REFERENCE §4).
+    Padded channels have zero gate/up weights and biases, so they output exactly zero (SwiGLU: silu(0) = 0;
+    GPT-OSS: (up + 1) * 0 * sigmoid(0) = 0) and their zero down rows add nothing."""
+    inter = padded_hidden if intermediate == hidden else intermediate
+    return math.ceil(inter / tp) * tp
 
 
 def valid_tp_degrees(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
@@ -133,6 +146,15 @@ def shard_vocab(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     return pad_dim(t[lo:hi], 0, vpr)
 
 
+def shard_gate_up_pairs(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """GPT-OSS experts' fused gate_up (last dim 2I, gate at even and up at odd columns): a contiguous
+    1/tp of the last dim. Each rank gets whole (gate, up) pairs -- the same intermediate channels for
+    both -- because 2I/tp is even."""
+    if t.shape[-1] % (2 * tp):
+        raise ValueError(f"gate_up width {t.shape[-1]} does not split into {tp} ranks of whole gate/up pairs")
+    return shard_even(t, t.dim() - 1, rank, tp)
+
+
 def kv_heads_for_rank(rank: int, tp: int, num_kv_heads: int) -> list[int]:
     """tp >= n_kv: one head per rank, head r // (tp // n_kv); else n_kv // tp consecutive heads."""
     if tp >= num_kv_heads:
@@ -151,8 +173,13 @@ def shard_kv(t: torch.Tensor, rank: int, tp: int, num_kv_heads: int, head_dim: i
 @dataclass(frozen=True)
 class TensorPlan:
     name: str
-    pad: str  # none | cols | rows | rows+cols | vec | chunks3 | vec_chunks3 | qkv_halves | fc
-    shard: str  # replicate | column | row | kv | vocab | row_bias
+    pad: str  # none | cols | rows | vec | gate_up | down | qkv_halves | fc | vec_chunks3 | vec_input | expert_*
+    shard: str  # replicate | column | row | kv | vocab | row_bias | expert_gate_up | expert_row
+
+    @property
+    def per_expert(self) -> bool:
+        """Dim 0 is the expert axis and no rule touches it: the tensor streams one expert at a time."""
+        return self.pad.startswith("expert_")
 
     def apply(self, t: torch.Tensor, rank: int, L: Layout) -> torch.Tensor:
         Hp, Ip = L.padded_hidden, L.padded_intermediate
@@ -175,6 +202,14 @@ class TensorPlan:
             t = pad_chunks(t, 0, 3, L.padded_input_hidden)
         elif p == "vec_input":
             t = pad_dim(t, 0, L.padded_input_hidden)
+        elif p == "expert_gate_up":  # [E, H, 2I]: zero (gate, up) pairs appended after the real ones
+            t = pad_dim(pad_dim(t, 1, Hp), 2, 2 * Ip)
+        elif p == "expert_gate_up_bias":  # [E, 2I]
+            t = pad_dim(t, 1, 2 * Ip)
+        elif p == "expert_down":  # [E, I, H]
+            t = pad_dim(pad_dim(t, 1, Ip), 2, Hp)
+        elif p == "expert_vec":  # [E, H]
+            t = pad_dim(t, 1, Hp)
         elif p != "none":
             raise ValueError(p)
         s = self.shard
@@ -190,6 +225,10 @@ class TensorPlan:
             return shard_vocab(t, rank, L.tp)
         if s == "row_bias":
             return t / L.tp
+        if s == "expert_gate_up":
+            return shard_gate_up_pairs(t, rank, L.tp)
+        if s == "expert_row":
+            return shard_even(t, 1, rank, L.tp)
         raise ValueError(s)
 
     def to_dict(self) -> dict:
@@ -197,10 +236,26 @@ class TensorPlan:
 
 
 def tensor_plan(model: str, name: str) -> TensorPlan:
-    """The pad + shard rule of one canonical tensor name (target: Llama names without `model.`;
+    """The pad + shard rule of one canonical tensor name (target: Llama / GPT-OSS names without `model.`;
     draft: fc, input_norm, fc_norm.i, midlayer.*, norm, lm_head, d2t, embed_tokens)."""
     leaf = name.split(".")
     last = ".".join(leaf[-2:])
+    # GPT-OSS: sinks go with their q heads; the router is replicated; experts are sharded on the
+    # intermediate dim (every rank holds every expert's slice) and down's bias is row-parallel
+    if last == "self_attn.sinks":
+        return TensorPlan(name, "none", "column")
+    if last == "router.weight":
+        return TensorPlan(name, "cols", "replicate")
+    if last == "router.bias":
+        return TensorPlan(name, "none", "replicate")
+    if last == "experts.gate_up_proj":
+        return TensorPlan(name, "expert_gate_up", "expert_gate_up")
+    if last == "experts.gate_up_proj_bias":
+        return TensorPlan(name, "expert_gate_up_bias", "expert_gate_up")
+    if last == "experts.down_proj":
+        return TensorPlan(name, "expert_down", "expert_row")
+    if last == "experts.down_proj_bias":
+        return TensorPlan(name, "expert_vec", "row_bias")
     draft_attn_in = model == "draft" and name.startswith("midlayer.self_attn.")
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return TensorPlan(name, "cols", "vocab")
@@ -256,14 +311,22 @@ class StreamingSafetensorsWriter:
         self.f = open(path, "wb")
         self.f.write(struct.pack("<Q", len(raw)) + raw)
         self.next = 0
+        self.rows = 0  # dim-0 rows of the current tensor written so far
 
     def write(self, name: str, t: torch.Tensor) -> None:
+        """Write the next tensor whole, or in consecutive dim-0 slabs (one expert at a time)."""
         exp_name, shape, dtype = self.specs[self.next]
-        if name != exp_name or list(t.shape) != list(shape) or t.dtype != dtype:
-            raise ValueError(f"{self.path}: expected {exp_name} {shape} {dtype}, got {name} {list(t.shape)} {t.dtype}")
+        whole = list(t.shape) == list(shape)
+        slab = (not whole and t.dim() == len(shape) >= 1 and list(t.shape[1:]) == list(shape[1:])
+                and self.rows + t.shape[0] <= shape[0])
+        if name != exp_name or t.dtype != dtype or not (whole or slab):
+            raise ValueError(f"{self.path}: expected {exp_name} {shape} {dtype} (rows from {self.rows}), "
+                             f"got {name} {list(t.shape)} {t.dtype}")
         if t.numel():
-            self.f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
-        self.next += 1
+            self.f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self.rows += t.shape[0] if slab else (shape[0] if shape else 0)
+        if not shape or self.rows == shape[0]:
+            self.next, self.rows = self.next + 1, 0
 
     def close(self) -> None:
         self.f.close()
@@ -280,7 +343,8 @@ def write_rank_files(model: str, tensors: "TensorSource", names: list[str], shap
     """Stream `names` from `tensors` through their plans into one file per rank.
 
     `shapes` gives each tensor's per-rank shape and dtype (from the rank-local model). Peak memory is
-    one source tensor plus its padded copy, independent of the model size."""
+    one source tensor plus its padded copy, independent of the model size; stacked expert tensors
+    (GPT-OSS) are read, dequantized and written one expert at a time."""
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [(n, shapes[n][0], shapes[n][1]) for n in names]
     paths = [out_dir / f"rank{r}.safetensors" for r in range(layout.tp)]
@@ -288,10 +352,13 @@ def write_rank_files(model: str, tensors: "TensorSource", names: list[str], shap
     try:
         for n in names:
             plan = tensor_plan(model, n)
-            src = cast(tensors.get(n), shapes[n][1])
-            for r, w in enumerate(writers):
-                w.write(n, plan.apply(src, r, layout))
-            del src
+            dtype = shapes[n][1]
+            parts = range(shapes[n][0][0]) if plan.per_expert else [None]
+            for e in parts:
+                src = cast(tensors.get(n) if e is None else tensors.get_rows(n, e, e + 1), dtype)
+                for r, w in enumerate(writers):
+                    w.write(n, plan.apply(src, r, layout))
+                del src
     finally:
         for w in writers:
             w.f.close()

@@ -35,6 +35,16 @@ Those numbers are for the default hidden 64. ``hidden_size`` (a multiple of 4, e
 hidden, as GPT-OSS) keeps the structure: the weights reading the residual stream are scaled by
 ``sqrt(64 / hidden)``. Wider pairs follow ``f`` more often (seeds 0-3: 86-98% at 92; draft 67-82%).
 
+``make_tiny_pair(out_dir, arch="gpt-oss")`` writes the GPT-OSS twin of seed system 003 instead
+(``gpt_oss_structure``): 4 layers alternating sliding (window 8) and full attention, sinks, q/k/v/o
+biases, YaRN, 4 experts top-2 with the clamped SwiGLU, intermediate = hidden = 90 (GPT-OSS 2880 / 32,
+padded to 96 = 3072 / 32), stored in BF16 -- or, with ``target_format="mxfp4"``, hidden 96 with the
+experts as MXFP4 ``*_blocks`` / ``*_scales`` (MXFP4 packs 32 values along each expert's input dim, so 90
+cannot be stored that way) --, a speculators draft with ``norm_before_fc`` and the same f / f∘f structure,
+and a recipe shaped like seed 003 (K 1, max_num_seqs 1, one prefill bucket). Measured (seeds 0-2, 40
+greedy tokens): the target follows ``f`` on 86-91% of steps; with K 1 the draft's token is accepted on
+~35-85% of verify passes (seed 0, four prompts).
+
 No global RNG state is touched: all randomness comes from one seeded ``torch.Generator``.
 """
 
@@ -47,19 +57,25 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "ARCHS",
     "DRAFT_FORMATS",
+    "GPT_OSS_TARGET_FORMATS",
     "EFFECTIVE_AUX_IDS",
     "TARGET_FORMATS",
     "TINY_CORPUS",
     "SPECIAL_TOKENS",
     "make_tiny_pair",
     "make_tiny_tokenizer",
+    "gpt_oss_structure",
+    "mxfp4_quantize",
+    "sensitize_structure",
     "tiny_structure",
     "write_gguf",
 ]
 
+ARCHS = ("llama", "gpt-oss")
 DRAFT_FORMATS = ("eagle", "speculators", "specforge")
-TARGET_FORMATS = ("hf", "gguf")
+TARGET_FORMATS = ("hf", "gguf")  # Llama; the GPT-OSS twin: GPT_OSS_TARGET_FORMATS
 
 # --- shapes --------------------------------------------------------------------------------------
 VOCAB = 512
@@ -225,23 +241,7 @@ def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
 
     # ---- target ----
     embed = _randn(g, VOCAB, hidden, std=_EMBED_STD)
-    # draft vocabulary: a random subset, sorted
-    ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
-    in_d = torch.zeros(VOCAB, dtype=torch.bool)
-    in_d[ids] = True
-    # perm: random, mapping the draft vocab onto itself and the rest onto the rest
-    perm = torch.empty(VOCAB, dtype=torch.int64)
-    if _CLOSED_DRAFT_VOCAB:
-        blocks = (ids, torch.nonzero(~in_d).flatten())
-    else:
-        blocks = (torch.arange(VOCAB),)
-    for block in blocks:
-        perm[block] = block[torch.randperm(len(block), generator=g)]
-    perm_inv = torch.empty_like(perm)
-    perm_inv[perm] = torch.arange(VOCAB)
-
-    lm_head = embed[perm_inv].clone()  # row j = e_{perm^-1[j]} -> logit_j max at j = perm[t]
-    lm_head[in_d] *= _TARGET_DRAFT_VOCAB_GAIN
+    ids, in_d, perm, lm_head = _vocab_structure(g, embed)
 
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     q_out, kv_out = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
@@ -263,7 +263,36 @@ def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
     t["model.norm.weight"] = torch.ones(hidden)
     t["lm_head.weight"] = lm_head
 
-    # ---- draft ----
+    d = _structured_draft(g, embed, perm, ids, in_d, hidden)
+    return {"perm": perm, "ids": ids, "target": t, "draft": d}
+
+
+def _vocab_structure(g: torch.Generator, embed: torch.Tensor):
+    """-> (ids, in_d, perm, target lm_head): the draft vocabulary (a random sorted subset), the map
+    f(t) = perm[t] (closed on the draft vocabulary) and the lm_head that makes the target follow f."""
+    ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+    in_d = torch.zeros(VOCAB, dtype=torch.bool)
+    in_d[ids] = True
+    # perm: random, mapping the draft vocab onto itself and the rest onto the rest
+    perm = torch.empty(VOCAB, dtype=torch.int64)
+    if _CLOSED_DRAFT_VOCAB:
+        blocks = (ids, torch.nonzero(~in_d).flatten())
+    else:
+        blocks = (torch.arange(VOCAB),)
+    for block in blocks:
+        perm[block] = block[torch.randperm(len(block), generator=g)]
+    perm_inv = torch.empty_like(perm)
+    perm_inv[perm] = torch.arange(VOCAB)
+
+    lm_head = embed[perm_inv].clone()  # row j = e_{perm^-1[j]} -> logit_j max at j = perm[t]
+    lm_head[in_d] *= _TARGET_DRAFT_VOCAB_GAIN
+    return ids, in_d, perm, lm_head
+
+
+def _structured_draft(g: torch.Generator, embed, perm, ids, in_d, hidden: int) -> dict[str, torch.Tensor]:
+    """The draft's tensors: fc picks the first aux chunk, its lm_head guesses g(t_i) = f(f(t_i))."""
+    fan = math.sqrt(HIDDEN / hidden)
+    q_out, kv_out = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
     g2 = perm[perm]  # g = f∘f
     g2_inv = torch.empty_like(g2)
     g2_inv[g2] = torch.arange(VOCAB)
@@ -287,8 +316,7 @@ def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
     d["d2t"] = (ids - torch.arange(DRAFT_VOCAB)).to(torch.int64)
     d["t2d"] = in_d.clone()
     d["embed_tokens.weight"] = embed.clone()
-
-    return {"perm": perm, "ids": ids, "target": t, "draft": d}
+    return d
 
 
 # =================================================================================================
@@ -379,6 +407,7 @@ def _write_draft(
     num_speculative_tokens: int,
     target_dir: Path,
     hidden_size: int = HIDDEN,
+    extra_config: dict | None = None,
 ) -> None:
     prefix = "layers.0." if fmt == "speculators" else "midlayer."
     sd: dict[str, torch.Tensor] = {}
@@ -437,6 +466,7 @@ def _write_draft(
         _save_safetensors(sd, draft_dir / "model.safetensors")
     else:  # pragma: no cover - checked by the caller
         raise ValueError(fmt)
+    cfg.update(extra_config or {})
     (draft_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -456,6 +486,9 @@ def _write_recipe(
     target: str = "./target",
     tp_degree: int = 1,
     padded_hidden_size: int | None = None,
+    name: str | None = None,
+    prefill_buckets: tuple[int, ...] = (64, 128),
+    header: str = "tiny random Llama target + EAGLE3 draft",
 ) -> None:
     if fmt == "eagle":
         draft = (
@@ -472,9 +505,9 @@ def _write_recipe(
         par.append(f"padded_hidden_size: {int(padded_hidden_size)}")
     parallel = f"    parallel: {{{', '.join(par)}}}\n" if par else ""
     text = (
-        "# tiny random Llama target + EAGLE3 draft (eagle3_build.tiny.make_tiny_pair)\n"
+        f"# {header} (eagle3_build.tiny.make_tiny_pair)\n"
         "pairs:\n"
-        f"  - name: tiny-llama-{fmt}\n"
+        f"  - name: {name or f'tiny-llama-{fmt}'}\n"
         f"    target: {target}\n"
         f"{draft}"
         f"    dtype: {dtype}\n"
@@ -482,7 +515,7 @@ def _write_recipe(
         f"    serving: {{max_num_seqs: 1, max_model_len: {int(max_model_len)}}}\n"
         f"{parallel}"
         "    # keep the number of graphs small\n"
-        "    buckets: {prefill: [64, 128], batch: [1]}\n"
+        f"    buckets: {{prefill: [{', '.join(map(str, prefill_buckets))}], batch: [1]}}\n"
         "    backend: export\n"
     )
     path.write_text(text)
@@ -729,9 +762,203 @@ def write_gguf(target_dir: str | Path, out_file: str | Path, *, dtype: str = "fl
 
 
 # =================================================================================================
+# GPT-OSS twin (seed system 003 scaled down)
+# =================================================================================================
+GPT_OSS_HIDDEN = 90  # GPT-OSS 2880 / 32; padded to 96 (3072 / 32) in the padded builds
+GPT_OSS_MXFP4_HIDDEN = 96  # MXFP4 packs 32 values along each expert's input dim: H and I multiples of 32
+GPT_OSS_LAYERS = 4  # sliding, full, sliding, full (even layers slide, as GPT-OSS)
+GPT_OSS_EXPERTS = 4
+GPT_OSS_TOP_K = 2
+GPT_OSS_WINDOW = 8  # shorter than the test prompts
+GPT_OSS_ROPE = {  # YaRN as GPT-OSS (theta 150000, factor 32, beta 32/1), original context MAX_POS / 32
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": MAX_POS // 32,
+}
+GPT_OSS_AUX_IDS = (1, 2, 3)  # input of target layers 1..3 (speculators config states them)
+GPT_OSS_TARGET_FORMATS = ("hf", "mxfp4")  # hf: BF16 safetensors; mxfp4: experts as *_blocks/*_scales
+_GPT_OSS_BIAS_STD = 0.02
+_GPT_OSS_SINK_STD = 1.0
+_GPT_OSS_ROUTER_STD = 0.5  # x fan: router logits of order 1 -> routing varies from token to token
+_GPT_OSS_DOWN_STD = 0.3  # expert down_proj: with o_proj (_GPT_OSS_OUT_STD) sets the context noise
+_GPT_OSS_OUT_STD = 0.3
+
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, R, C] (C a multiple of 32) -> (blocks [E, R, C/32, 16] uint8, scales [E, R, C/32] uint8):
+    per group of 32 values the power-of-two scale that brings the largest into [-6, 6], each value rounded
+    to the nearest FP4 (e2m1) value, two per byte, the even-indexed value in the low nibble."""
+    E, R, C = w.shape
+    if C % 32:
+        raise ValueError(f"MXFP4 needs the input dim to be a multiple of 32, got {C}")
+    groups = w.float().reshape(E, R, C // 32, 32)
+    amax = groups.abs().amax(-1).clamp_min(2.0 ** -120)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127).to(torch.int32)
+    scaled = groups / torch.exp2(exp.float())[..., None]
+    lut = torch.tensor(MXFP4_VALUES)
+    idx = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+    return idx[..., 0::2] | (idx[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def _mxfp4_round(w: torch.Tensor) -> torch.Tensor:
+    """An expert tensor [E, in, out] rounded onto the MXFP4 grid (what its MXFP4 form dequantizes to)."""
+    from .checkpoints import mxfp4_dequantize
+
+    return mxfp4_dequantize(*mxfp4_quantize(w.transpose(1, 2)), dtype=torch.float32)
+
+
+def gpt_oss_structure(seed: int = 0, *, hidden_size: int = GPT_OSS_HIDDEN) -> dict:
+    """The GPT-OSS twin for ``seed``: the same structure as ``tiny_structure`` (the target mostly
+    continues t with f(t) = perm[t], the draft guesses f(f(t))) on a GPT-OSS body: q/k/v/o biases,
+    sinks, a top-2 router over 4 experts with the clamped SwiGLU, intermediate = hidden (as GPT-OSS).
+    The experts are rounded onto the MXFP4 grid when hidden is a multiple of 32, so the BF16 and the
+    MXFP4 checkpoints of one seed hold the same model. Keys as ``tiny_structure``; ``target`` is a
+    transformers GptOssForCausalLM state dict (float32 values), ``draft`` has ``input_norm.weight``."""
+    hidden = int(hidden_size)
+    inter = hidden
+    g = torch.Generator().manual_seed(int(seed))
+    embed = _randn(g, VOCAB, hidden, std=_EMBED_STD)
+    ids, in_d, perm, lm_head = _vocab_structure(g, embed)
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
+    q_out, kv_out = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
+    fan = math.sqrt(HIDDEN / hidden)
+    std, E = _LAYER_STD * fan, GPT_OSS_EXPERTS
+    for li in range(GPT_OSS_LAYERS):
+        p = f"model.layers.{li}."
+        for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            t[p + f"self_attn.{name}.weight"] = _randn(g, rows, hidden, std=std)
+            t[p + f"self_attn.{name}.bias"] = _randn(g, rows, std=_GPT_OSS_BIAS_STD)
+        t[p + "self_attn.o_proj.weight"] = _randn(g, hidden, q_out, std=_GPT_OSS_OUT_STD)
+        t[p + "self_attn.o_proj.bias"] = _randn(g, hidden, std=_GPT_OSS_BIAS_STD)
+        t[p + "self_attn.sinks"] = _randn(g, N_HEADS, std=_GPT_OSS_SINK_STD)
+        t[p + "mlp.router.weight"] = _randn(g, E, hidden, std=_GPT_OSS_ROUTER_STD * fan / math.sqrt(HIDDEN))
+        t[p + "mlp.router.bias"] = _randn(g, E, std=_GPT_OSS_BIAS_STD)
+        gate_up = _randn(g, E, hidden, 2 * inter, std=std)
+        down = _randn(g, E, inter, hidden, std=_GPT_OSS_DOWN_STD * fan)
+        if hidden % 32 == 0:
+            gate_up, down = _mxfp4_round(gate_up), _mxfp4_round(down)
+        t[p + "mlp.experts.gate_up_proj"] = gate_up
+        t[p + "mlp.experts.gate_up_proj_bias"] = _randn(g, E, 2 * inter, std=_GPT_OSS_BIAS_STD)
+        t[p + "mlp.experts.down_proj"] = down
+        t[p + "mlp.experts.down_proj_bias"] = _randn(g, E, hidden, std=_GPT_OSS_BIAS_STD)
+        t[p + "input_layernorm.weight"] = torch.ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    t["model.norm.weight"] = torch.ones(hidden)
+    t["lm_head.weight"] = lm_head
+
+    d = _structured_draft(g, embed, perm, ids, in_d, hidden)
+    d["input_norm.weight"] = torch.ones(3 * hidden)  # norm_before_fc
+    return {"perm": perm, "ids": ids, "target": t, "draft": d}
+
+
+def gpt_oss_config(bos_id: int, eos_id: int, *, hidden_size: int = GPT_OSS_HIDDEN, mxfp4: bool = False) -> dict:
+    """config.json of the twin (transformers GptOssConfig)."""
+    from transformers import GptOssConfig
+
+    cfg = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=int(hidden_size), intermediate_size=int(hidden_size),
+        num_hidden_layers=GPT_OSS_LAYERS, num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS,
+        head_dim=HEAD_DIM, num_local_experts=GPT_OSS_EXPERTS, num_experts_per_tok=GPT_OSS_TOP_K,
+        sliding_window=GPT_OSS_WINDOW, max_position_embeddings=MAX_POS, rms_norm_eps=RMS_EPS,
+        rope_parameters=dict(GPT_OSS_ROPE), tie_word_embeddings=False, attention_bias=True,
+        bos_token_id=bos_id, eos_token_id=eos_id, dtype="bfloat16",
+    ).to_dict()
+    cfg["architectures"] = ["GptOssForCausalLM"]
+    if mxfp4:
+        cfg["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"],
+        }
+    return cfg
+
+
+def _write_gpt_oss_target(target_dir: Path, state: dict[str, torch.Tensor], tokenizer, *, hidden_size: int,
+                          mxfp4: bool) -> None:
+    """BF16 safetensors in HF GPT-OSS names; with ``mxfp4`` the experts' weights become
+    ``*_blocks`` / ``*_scales`` (their biases stay BF16), as the openai/gpt-oss checkpoints ship."""
+    from transformers import GenerationConfig
+
+    bos_id = tokenizer.convert_tokens_to_ids(BOS)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if mxfp4 and k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[k + "_blocks"], out[k + "_scales"] = mxfp4_quantize(v.transpose(1, 2))
+        else:
+            out[k] = v.to(torch.bfloat16).contiguous()
+    _save_safetensors(dict(sorted(out.items())), target_dir / "model.safetensors")
+    cfg = gpt_oss_config(bos_id, eos_id, hidden_size=hidden_size, mxfp4=mxfp4)
+    (target_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id).save_pretrained(str(target_dir))
+    tokenizer.save_pretrained(str(target_dir))
+
+
+def _make_tiny_gpt_oss_pair(out: Path, *, draft_format: str, seed: int, num_speculative_tokens: int,
+                            max_model_len: int, dtype: str, target_format: str, hidden_size: int | None,
+                            padded_hidden_size: int | None, tp_degree: int) -> Path:
+    if draft_format != "speculators":
+        raise ValueError(f"the GPT-OSS twin's draft is speculators-format (as seed 003), got {draft_format!r}")
+    if target_format not in GPT_OSS_TARGET_FORMATS:
+        raise ValueError(f"target_format for gpt-oss must be one of {GPT_OSS_TARGET_FORMATS}, got {target_format!r}")
+    mxfp4 = target_format == "mxfp4"
+    hidden = hidden_size or (GPT_OSS_MXFP4_HIDDEN if mxfp4 else GPT_OSS_HIDDEN)
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 2 or hidden % 2:
+        raise ValueError(f"hidden_size must be a positive even int, got {hidden!r}")
+    if mxfp4 and hidden % 32:
+        raise ValueError(f"target_format='mxfp4' needs hidden_size (= intermediate) to be a multiple of 32 "
+                         f"(MXFP4 packs 32 values along each expert's input dim), got {hidden}; e.g. 96")
+    target_dir, draft_dir = out / "target", out / "draft"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    s = gpt_oss_structure(seed, hidden_size=hidden)
+    tokenizer = make_tiny_tokenizer()
+    _write_gpt_oss_target(target_dir, s["target"], tokenizer, hidden_size=hidden, mxfp4=mxfp4)
+    extra = {
+        "norm_before_fc": True,
+        "target_hidden_size": hidden,
+        "eagle_aux_hidden_state_layer_ids": list(GPT_OSS_AUX_IDS),
+    }
+    _write_draft(draft_dir, "speculators", s["draft"], bos_id=tokenizer.convert_tokens_to_ids(BOS),
+                 eos_id=tokenizer.convert_tokens_to_ids(EOS), num_speculative_tokens=num_speculative_tokens,
+                 target_dir=target_dir, hidden_size=hidden, extra_config=extra)
+    cfg_path = draft_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["speculators_config"]["verifier"]["architectures"] = ["GptOssForCausalLM"]
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    recipe = out / "recipe.yaml"
+    _write_recipe(recipe, "speculators", dtype=dtype, k=num_speculative_tokens, max_model_len=max_model_len,
+                  tp_degree=tp_degree, padded_hidden_size=padded_hidden_size,
+                  name="tiny-gpt-oss" + ("-mxfp4" if mxfp4 else ""), prefill_buckets=(64,),
+                  header=f"tiny random GPT-OSS target ({'MXFP4' if mxfp4 else 'BF16'}) + EAGLE3 draft, seed-003 shape")
+    return recipe
+
+
+# =================================================================================================
 # public entry point
 # =================================================================================================
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_common(num_speculative_tokens, max_model_len, tp_degree, padded_hidden_size) -> None:
+    if int(num_speculative_tokens) < 1:
+        raise ValueError("num_speculative_tokens must be >= 1")
+    if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
+        raise ValueError(f"tp_degree must be a positive int, got {tp_degree!r}")
+    if padded_hidden_size is not None and (
+        isinstance(padded_hidden_size, bool) or not isinstance(padded_hidden_size, int)
+        or padded_hidden_size < 1
+    ):
+        raise ValueError(f"padded_hidden_size must be a positive int or None, got {padded_hidden_size!r}")
+    if not (int(num_speculative_tokens) + 1 < int(max_model_len) <= MAX_POS):
+        raise ValueError(f"max_model_len must be in ({int(num_speculative_tokens) + 1}, {MAX_POS}]")
 
 
 def make_tiny_pair(
@@ -739,16 +966,27 @@ def make_tiny_pair(
     *,
     draft_format: str = "speculators",
     seed: int = 0,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | None = None,
     max_model_len: int = 256,
     dtype: str = "float32",
     target_format: str = "hf",
     rope_scaling: bool | None = None,
-    hidden_size: int = HIDDEN,
+    hidden_size: int | None = None,
     padded_hidden_size: int | None = None,
     tp_degree: int = 1,
+    arch: str = "llama",
+    sensitive_draft: bool = False,
 ) -> Path:
     """Writes out_dir/target/, out_dir/draft/, out_dir/recipe.yaml; returns the recipe path.
+
+    ``sensitive_draft=True`` (Llama only) applies ``sensitize_structure``: the draft then works only
+    with the aux layer ids (and, for speculators drafts, the norm_before_residual) it was built for,
+    as a trained draft does - what the fault-injection tests of ``eagle3-build verify`` need.
+
+    ``arch="gpt-oss"`` writes the GPT-OSS twin instead (``gpt_oss_structure``): a BF16 (``target_format
+    "hf"``, hidden 90) or MXFP4 (``"mxfp4"``, hidden 96: MXFP4 needs multiples of 32) GPT-OSS target, a
+    speculators draft with ``norm_before_fc`` and a recipe mirroring seed 003 (K 1 by default,
+    max_num_seqs 1, one prefill bucket). The options below are the Llama pair's.
 
     The checkpoint files are always float32; ``dtype`` is the build dtype written into the recipe.
     The same ``seed`` gives byte-identical weight files (the speculators config records the absolute
@@ -768,10 +1006,23 @@ def make_tiny_pair(
     ``parallel: {tp_degree: N, padded_hidden_size: P}`` (keys left at their default are omitted, and
     so is ``parallel`` when both are); they do not change the checkpoint files.
     """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if sensitive_draft and arch != "llama":
+        raise ValueError("sensitive_draft is implemented for the Llama pair only")
     if draft_format not in DRAFT_FORMATS:
         raise ValueError(f"draft_format must be one of {DRAFT_FORMATS}, got {draft_format!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if num_speculative_tokens is None:
+        num_speculative_tokens = 1 if arch == "gpt-oss" else 3
+    if arch == "gpt-oss":
+        _check_common(num_speculative_tokens, max_model_len, tp_degree, padded_hidden_size)
+        return _make_tiny_gpt_oss_pair(
+            Path(out_dir).resolve(), draft_format=draft_format, seed=seed,
+            num_speculative_tokens=int(num_speculative_tokens), max_model_len=int(max_model_len), dtype=dtype,
+            target_format=target_format, hidden_size=hidden_size, padded_hidden_size=padded_hidden_size,
+            tp_degree=tp_degree)
     if target_format not in TARGET_FORMATS:
         raise ValueError(f"target_format must be one of {TARGET_FORMATS}, got {target_format!r}")
     if rope_scaling is None:
@@ -781,18 +1032,8 @@ def make_tiny_pair(
             "target_format='gguf' needs rope_scaling=False: transformers' GGUF loader reads no llama3 "
             "rope scaling for llama, see write_gguf"
         )
-    if int(num_speculative_tokens) < 1:
-        raise ValueError("num_speculative_tokens must be >= 1")
-    hidden_size = _check_hidden_size(hidden_size)
-    if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
-        raise ValueError(f"tp_degree must be a positive int, got {tp_degree!r}")
-    if padded_hidden_size is not None and (
-        isinstance(padded_hidden_size, bool) or not isinstance(padded_hidden_size, int)
-        or padded_hidden_size < 1
-    ):
-        raise ValueError(f"padded_hidden_size must be a positive int or None, got {padded_hidden_size!r}")
-    if not (int(num_speculative_tokens) + 1 < int(max_model_len) <= MAX_POS):
-        raise ValueError(f"max_model_len must be in ({int(num_speculative_tokens) + 1}, {MAX_POS}]")
+    _check_common(num_speculative_tokens, max_model_len, tp_degree, padded_hidden_size)
+    hidden_size = _check_hidden_size(HIDDEN if hidden_size is None else hidden_size)
 
     out = Path(out_dir).resolve()
     target_dir, draft_dir = out / "target", out / "draft"
@@ -800,6 +1041,9 @@ def make_tiny_pair(
     draft_dir.mkdir(parents=True, exist_ok=True)
 
     s = tiny_structure(seed, hidden_size=hidden_size)
+    if sensitive_draft:
+        sensitize_structure(s, EFFECTIVE_AUX_IDS[draft_format], seed=seed,
+                            scale_fc=draft_format == "speculators")
     tokenizer = make_tiny_tokenizer()
     bos_id = tokenizer.convert_tokens_to_ids(BOS)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
@@ -825,3 +1069,78 @@ def make_tiny_pair(
                   max_model_len=int(max_model_len), target=target_ref, tp_degree=int(tp_degree),
                   padded_hidden_size=None if padded_hidden_size is None else int(padded_hidden_size))
     return recipe
+
+
+# =================================================================================================
+# a draft that depends on its exact aux layer ids and norm_before_residual (verify fault injection)
+# =================================================================================================
+_MARK_VALUE = 2.0  # ~ the value a marker channel holds once its layer has written it
+_MARK_UNITS = 32  # MLP units of a writer layer given to its marker
+_MARK_DOMINANCE = 100.0  # how much a misplaced marker outweighs the draft's real input
+_SENSITIVE_FC_SCALE = 0.002  # speculators drafts: fc output tiny unless hidden_norm rescales it
+
+
+def sensitize_structure(s: dict, aux_ids: tuple[int, int, int], *, seed: int = 0, scale_fc: bool = True) -> dict:
+    """Make a ``tiny_structure`` pair depend on its aux layer ids (and on norm_before_residual).
+
+    The residual streams of neighbouring layers of the tiny target are nearly identical (the
+    embedding dominates them), so a draft reading layers shifted by one works as well - unlike a
+    trained draft on a real model. This makes the shift visible, in place:
+
+    * the last two hidden channels become *marker* channels: zero in the embedding, read by nothing
+      (their q/k/v/gate/up columns and lm_head columns are zero) and written only by layer ``a0``
+      (marker A) and layer ``a1 - 1`` (marker B), each through 32 MLP units of its own whose
+      output is positive (gate = up: silu(z)*z >= 0), ~``_MARK_VALUE``; every other o_proj /
+      down_proj row of those channels is zero, so a marker, once written, stays unchanged;
+    * the draft's fc adds ``v * (A(chunk0) + B(chunk2) - B(chunk1))`` to its output, with ``|v|``
+      ~100x the rest: with the right ids (a0, a1, a2) that factor is exactly 0 (A is written after
+      the state a0 enters layer a0; B is in both chunk 1 and chunk 2), with ids shifted by +1 chunk 0
+      holds A, shifted by -1 chunk 1 lacks B - either way ``v`` swamps the draft, which then
+      proposes one fixed token;
+    * ``scale_fc`` (speculators drafts, norm_before_residual true): fc is scaled by 0.002, so the
+      residual the layer adds to is useful only after hidden_norm; with norm_before_residual false
+      the draft's own attention/MLP noise dominates.
+
+    Measured (seeds 0-2, K 3, the verify prompts): position-0 acceptance 0.65-0.70 intact, <= 0.02
+    with the aux ids shifted by +-1, <= 0.08 with norm_before_residual flipped. The target's
+    structure barely moves (seed 0 follows f on 87% vs 89% of steps).
+    """
+    t, d = s["target"], s["draft"]
+    H = t["model.embed_tokens.weight"].shape[1]
+    a0, a1, _ = (int(i) for i in aux_ids)
+    if not 0 <= a0 < a1 - 1:
+        raise ValueError(f"sensitize_structure needs a0 < a1 - 1, got aux ids {tuple(aux_ids)}")
+    mark_a, mark_b = H - 2, H - 1
+    marks = [mark_a, mark_b]
+    writers = {a0: mark_a, a1 - 1: mark_b}
+    g = torch.Generator().manual_seed(10_000 + int(seed))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t[name][:, marks] = 0
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        d[name][:, marks] = 0
+    for li in range(N_LAYERS):
+        p = f"model.layers.{li}."
+        for w in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            t[p + w + ".weight"][:, marks] = 0
+        t[p + "self_attn.o_proj.weight"][marks] = 0
+        t[p + "mlp.down_proj.weight"][marks] = 0
+        if li in writers:
+            w = torch.randn(_MARK_UNITS, H, generator=g) / math.sqrt(H - len(marks))
+            w[:, marks] = 0
+            t[p + "mlp.gate_proj.weight"][:_MARK_UNITS] = w
+            t[p + "mlp.up_proj.weight"][:_MARK_UNITS] = w
+            t[p + "mlp.down_proj.weight"][:, :_MARK_UNITS] = 0
+            # mean of silu(z)*z for z ~ N(0, 1) is 1/2
+            t[p + "mlp.down_proj.weight"][writers[li], :_MARK_UNITS] = 2 * _MARK_VALUE / _MARK_UNITS
+    scale = _SENSITIVE_FC_SCALE if scale_fc else 1.0
+    fc = d["fc.weight"] * scale
+    for c in range(3):
+        fc[:, [c * H + m for m in marks]] = 0
+    v = torch.randn(H, generator=g)
+    v[marks] = 0
+    v *= _MARK_DOMINANCE * scale * math.sqrt(H) / _MARK_VALUE / v.norm()
+    fc[:, mark_a] += v
+    fc[:, 2 * H + mark_b] += v
+    fc[:, H + mark_b] -= v
+    d["fc.weight"] = fc
+    return s

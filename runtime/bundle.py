@@ -43,6 +43,9 @@ def read_manifest(root: Path) -> Manifest:
 
 def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
     """sha256 of every file (of one rank's weights only, when `rank` is given)."""
+    if manifest.digest and manifest.compute_digest() != manifest.digest:
+        raise BundleError(f"{root}: {MANIFEST} was modified after the build (its content no longer matches the "
+                          f"bundle digest {manifest.digest[:12]}…); rebuild or re-download the bundle")
     others = set()
     if rank is not None:
         others = {f.path for m in manifest.models.values() for r, f in enumerate(m.weight_files) if r != rank}
@@ -98,14 +101,34 @@ def load_graph_export(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor
     return ep.module()
 
 
+def check_aoti_host(manifest: Manifest) -> None:
+    """AOTI packages are native code for one torch ABI and one ISA/device: refuse before loading."""
+    from .compat import backend_checks
+
+    for c in backend_checks(manifest, {}):
+        if not c.ok:
+            raise BundleError(c.detail)
+
+
+def load_graph_aoti(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
+    """An AOTInductor package: native code, weights passed as inputs on every call (nothing copied).
+    The low-level loader avoids aoti_load_package's ~17 s first-call CPU checks (REFERENCE §7)."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    def run(ws, kv, *inputs):
+        return tuple(loader.boxed_run([*ws, kv, *inputs]))
+
+    return run
+
+
 def load_graph_neuron(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
     from .neuron import load_graph
 
     return load_graph(path, entry, weights)
 
 
-LOADERS: dict[str, Callable[[Path, GraphEntry, tuple], GraphFn]] = {"export": load_graph_export,
-                                                                    "neuron": load_graph_neuron}
+LOADERS: dict[str, Callable[[Path, GraphEntry, tuple], GraphFn]] = {
+    "export": load_graph_export, "aoti": load_graph_aoti, "neuron": load_graph_neuron}
 
 
 @dataclass
@@ -149,6 +172,8 @@ class Bundle:
         if m.backend not in LOADERS:
             raise BundleError(f"{self.root}: backend {m.backend!r} cannot be served by this runtime "
                               f"(available: {', '.join(LOADERS)})")
+        if m.backend == "aoti":
+            check_aoti_host(m)
         if m.backend == "neuron":
             from .neuron import NeuronHostError, check_host
 

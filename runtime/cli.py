@@ -21,11 +21,24 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(max(1, n))
 
 
+def _prompt_ids(root, tok: BundleTokenizer, prompt: str, chat: bool) -> list[int]:
+    if not chat:
+        return tok.encode(prompt)
+    from .chat import ChatTemplate
+
+    template = ChatTemplate.from_bundle(root)
+    if template is None:
+        raise BundleError("--chat: this bundle's tokenizer has no chat template; drop --chat")
+    return tok.encode(template.render([{"role": "user", "content": prompt}]), add_special_tokens=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-run", description="Generate from an eagle3-build bundle.")
-    ap.add_argument("bundle", help="bundle directory (artifacts/<pair name>)")
+    ap.add_argument("bundle", help="bundle directory (artifacts/<pair name>) or hf://org/repo@rev, file:///dir@rev")
     ap.add_argument("--prompt", required=True, help="prompt text (tokenized as the target's tokenizer does)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--chat", action="store_true",
+                    help="wrap the prompt as one user message in the bundle's chat template (instruct models)")
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--threads", type=int, default=None,
@@ -40,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         tok = BundleTokenizer(bundle.root)
         engine = Engine(bundle, detokenize=tok.decode)
-        prompt_ids = tok.encode(args.prompt)
         try:
+            prompt_ids = _prompt_ids(bundle.root, tok, args.prompt, args.chat)
             gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
         finally:
             if ctx is not None:

@@ -6,12 +6,13 @@ else about a bundle. Bump SCHEMA_VERSION on any incompatible change.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: graph keys, bundle digest, build record
 MANIFEST = "manifest.json"
 
 
@@ -44,6 +45,7 @@ class GraphEntry(_Strict):
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     backend: dict[str, Any] = {}
+    key: str = ""  # compile-cache key (eagle3_build.cache.graph_key)
 
 
 class ModelEntry(_Strict):
@@ -80,6 +82,14 @@ class Manifest(_Strict):
     graphs: list[GraphEntry]
     files: list[FileEntry]  # tokenizer, configs, everything else
     notes: list[str] = []
+    build: dict[str, Any] = {}  # timings, cache hits, host: excluded from the digest
+    digest: str = ""  # sha256 over everything above except created_at and build
+
+    def compute_digest(self) -> str:
+        """Same artifact <=> same digest: covers every file's sha256, the graph keys, shapes, recipe,
+        sources and toolchain, but not when or how fast it was built."""
+        body = self.model_dump(mode="json", exclude={"created_at", "build", "digest"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def graph(self, role: str, bucket: int) -> GraphEntry:
         for g in self.graphs:

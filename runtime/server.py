@@ -307,7 +307,7 @@ def create_app(server: Server) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-serve", description="Serve an eagle3-build bundle over HTTP.")
-    ap.add_argument("bundle")
+    ap.add_argument("bundle", help="bundle directory, or hf://org/repo@rev / file:///dir@rev (fetched and verified)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--no-spec", action="store_true", help="disable speculative decoding")

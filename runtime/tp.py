@@ -115,7 +115,14 @@ def open_bundle(path: str | Path) -> tuple[Bundle | None, TPContext | None]:
     """Load this process's rank of a bundle, joining the torchrun world when the bundle is TP.
 
     Rank 0 gets (bundle, ctx) with its graphs announcing every call to the workers; ranks > 0 run
-    the worker loop here until the driver stops them and get (None, ctx)."""
+    the worker loop here until the driver stops them and get (None, ctx). `path` may also be a
+    reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (runtime/remote.py)."""
+    from .remote import RemoteError, resolve_bundle
+
+    try:
+        path = resolve_bundle(path)
+    except RemoteError as e:
+        raise BundleError(str(e)) from None
     ctx = init_tp(read_manifest(Path(path)))
     try:
         bundle = Bundle(path, rank=ctx.rank if ctx else 0)

@@ -12,6 +12,14 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_compile_cache(tmp_path_factory):
+    """Every test process (and the CLI processes they start) shares one throwaway compile cache,
+    never the user's ~/.cache/eagle3-build. Tests about the cache itself use their own."""
+    os.environ["EAGLE3_BUILD_CACHE"] = str(tmp_path_factory.mktemp("compile-cache"))
+    yield
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None
             ) -> subprocess.CompletedProcess:
     """Run a console entry point of this project in a fresh process (the way users run it)."""

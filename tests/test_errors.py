@@ -135,12 +135,15 @@ def test_recipe_error(pair, tmp_path, case):
 
 def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
     """A build that dies half-way (here: the 3rd graph fails) leaves no bundle and no temp dir."""
+    from eagle3_build import bundle as bundle_mod
     from eagle3_build.backends import export
     from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+    from eagle3_build.compiler import CompileFailed
     from eagle3_build.recipe import load_recipe
 
     calls = {"n": 0}
-    real = export.compile_graph
+    real = export.compile_exported
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -148,10 +151,22 @@ def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
             raise RuntimeError("compiler crashed")
         return real(*a, **k)
 
-    monkeypatch.setattr(export, "compile_graph", flaky)
+    monkeypatch.setattr(export, "compile_exported", flaky)
     art = tmp_path / "artifacts"
-    with pytest.raises(RuntimeError, match="compiler crashed"):
-        build_bundle(load_recipe(pair / "recipe.yaml").pairs[0], art / "b")
+    p = load_recipe(pair / "recipe.yaml").pairs[0]
+    with pytest.raises(CompileFailed) as e:  # one graph failed: the others still compiled, no bundle
+        build_bundle(p, art / "b", cache=CompileCache(tmp_path / "cache"))
+    assert [f.job.name for f in e.value.failures] == ["target_prefill_s128"]
+    assert "compiler crashed" in e.value.failures[0].error
+    assert list(art.iterdir()) == []
+
+    # a crash after the graphs (while writing weights) leaves nothing either
+    def crash(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(bundle_mod, "write_rank_files", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_bundle(p, art / "b", cache=CompileCache(tmp_path / "cache"))
     assert list(art.iterdir()) == []
 
 
@@ -164,6 +179,8 @@ def test_rebuild_replaces_bundle_atomically(pair, tmp_path):
     m1 = build_bundle(p, art / "b")
     m2 = build_bundle(p, art / "b")
     assert sorted(x.name for x in art.iterdir()) == ["b"]
-    # same inputs -> byte-identical weight files (graph files carry a random serialization id)
+    # same inputs -> byte-identical files and the same digest
     for name in ("target", "draft"):
         assert m1.models[name].weight_files == m2.models[name].weight_files
+    assert [g.file for g in m1.graphs] == [g.file for g in m2.graphs]
+    assert m1.digest == m2.digest != ""

@@ -43,6 +43,13 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
     (plan,) = json.loads(r.stdout)
     assert plan["backend"] == "neuron" and plan["tp_degree"] == tp and len(plan["graphs"]) == graphs
     assert plan["compiler_args"] == DEFAULT
+    # configs only (bundled planning copies: no network, no weights): per-rank weight bytes
+    per_rank = plan["weight_bytes_per_rank"]["target"]
+    if tp == 8:  # Llama-3.1-8B in bf16: 8.03e9 params x 2 bytes / 8 ranks
+        assert abs(per_rank - 8.03e9 * 2 / 8) < 0.02e9, per_rank
+    else:  # GPT-OSS-120B in bf16 (116.8e9 params), hidden/intermediate 2880 -> 3072 on the experts, / 16 ranks
+        assert 116.8e9 * 2 / 16 < per_rank < 116.8e9 * 2 / 16 * (3072 / 2880) ** 2 * 1.01, per_rank
+    assert {g["cache"] for g in plan["graphs"]} == {"unknown"}
     for g in plan["graphs"]:
         assert g["artifact"] == f"graphs/{g['name']}.neff"
         assert g["compiler_command"].startswith(f"neuronx-cc compile --framework XLA {g['name']}.hlo.pb --output "

@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, bundle: Path, *args: str, torchrun: int = 0):
+    def __init__(self, bundle: Path | str, *args: str, torchrun: int = 0, log_dir: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cli = ["-m", "eagle3_runtime.server", str(bundle), "--port", str(self.port), *args]
@@ -30,7 +30,7 @@ class ServerProc:
                    "--master-port", str(free_port()), *cli]
         else:
             cmd = [sys.executable, *cli]
-        self.log = open(bundle.parent / f"server-{self.port}.log", "w")
+        self.log = open((log_dir or Path(bundle).parent) / f"server-{self.port}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
         deadline = time.time() + 240

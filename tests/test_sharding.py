@@ -153,3 +153,119 @@ def test_row_parallel_bias_divided_by_tp():
     assert (sum(shards)[Hu:] == 0).all()
     qb = tensor_plan("target", "layers.0.self_attn.k_proj.bias").apply(torch.arange(2 * 16.0), 3, L)
     assert torch.equal(qb, torch.arange(16.0, 32.0))  # rank 3 of tp 4 holds KV head 1
+
+
+# ------------------------------------------------------------------ GPT-OSS experts
+
+def test_padded_intermediate_follows_the_hidden_when_equal():
+    from eagle3_build.sharding import padded_intermediate_size
+
+    assert padded_intermediate_size(2880, 2880, 3072, 16) == 3072  # GPT-OSS: 192 per rank
+    assert padded_intermediate_size(2880, 2880, 2880, 16) == 2880
+    assert padded_intermediate_size(128, 92, 96, 2) == 128  # Llama twin: only rounded to tp
+    assert padded_intermediate_size(90, 90, 96, 2) == 96 and padded_intermediate_size(90, 90, 90, 4) == 92
+    assert layout(tp=2, intermediate=Hu).intermediate_per_rank == Hp // 2
+
+
+def test_expert_gate_up_shards_keep_gate_up_pairs_together():
+    E, I, tp = 3, 90, 2
+    gate, up = torch.randn(E, Hu, I) + 5, torch.randn(E, Hu, I) - 5  # gate > 0, up < 0 everywhere
+    fused = torch.stack([gate, up], dim=-1).reshape(E, Hu, 2 * I)  # gate at even, up at odd columns
+    L = layout(tp=tp, intermediate=I)
+    Ip = L.padded_intermediate
+    plan = tensor_plan("target", "layers.0.mlp.experts.gate_up_proj")
+    assert plan.per_expert and plan.shard == "expert_gate_up"
+    for r in range(tp):
+        s = plan.apply(fused, r, L)
+        assert s.shape == (E, Hp, 2 * Ip // tp)
+        # the rank's gate and up columns are the same intermediate channels: column-parallel gate and up
+        want_gate = shard_even(pad_dim(pad_dim(gate, 1, Hp), 2, Ip), 2, r, tp)
+        want_up = shard_even(pad_dim(pad_dim(up, 1, Hp), 2, Ip), 2, r, tp)
+        assert torch.equal(s[..., 0::2], want_gate) and torch.equal(s[..., 1::2], want_up)
+    # one expert at a time (how the sharder streams) gives the same slices
+    assert torch.equal(plan.apply(fused[1:2], 1, L), plan.apply(fused, 1, L)[1:2])
+    with pytest.raises(ValueError, match="whole gate/up pairs"):
+        from eagle3_build.sharding import shard_gate_up_pairs
+        shard_gate_up_pairs(torch.zeros(1, 4, 6), 0, 2)
+
+
+def test_padded_experts_are_zero_gated_and_tp_shards_sum_to_the_expert():
+    """Pad (90 -> 96, intermediate 90 -> 96) and shard one expert at tp 2: the ranks' outputs, each adding
+    its 1/tp of the down bias, sum to the unpadded expert's output, and padded channels stay exactly 0."""
+    from eagle3_build.models.gpt_oss import Experts
+
+    E, I, tp = 2, 90, 2
+    g = torch.Generator().manual_seed(0)
+    w = {"gate_up_proj": torch.randn(E, Hu, 2 * I, generator=g) * 0.3,
+         "gate_up_proj_bias": torch.randn(E, 2 * I, generator=g),
+         "down_proj": torch.randn(E, I, Hu, generator=g) * 0.3, "down_proj_bias": torch.randn(E, Hu, generator=g)}
+    ref = Experts(E, Hu, I, 7.0, 1.702)
+    for n, t in w.items():
+        getattr(ref, n).data = t
+    x = torch.randn(4, Hu, generator=g)
+    idx, wt = torch.tensor([[0, 1]] * 4), torch.tensor([[0.7, 0.3]] * 4)
+    L = layout(tp=tp, intermediate=I)
+    total = torch.zeros(4, Hp)
+    for r in range(tp):
+        ex = Experts(E, Hp, L.intermediate_per_rank, 7.0, 1.702)
+        for n, t in w.items():
+            getattr(ex, n).data = tensor_plan("target", f"layers.0.mlp.experts.{n}").apply(t, r, L)
+        total += ex.dense(pad_dim(x, 1, Hp), idx, wt)
+    torch.testing.assert_close(total[:, :Hu], ref.dense(x, idx, wt), atol=1e-5, rtol=1e-5)
+    assert (total[:, Hu:] == 0).all()
+
+
+def test_gpt_oss_attention_and_router_rules():
+    L = layout(tp=2, num_heads=4)
+    sinks = torch.arange(4.0)
+    assert torch.equal(tensor_plan("target", "layers.1.self_attn.sinks").apply(sinks, 1, L), torch.tensor([2.0, 3.0]))
+    router = tensor_plan("target", "layers.1.mlp.router.weight").apply(torch.randn(4, Hu) + 5, 1, L)
+    assert router.shape == (4, Hp) and (router[:, Hu:] == 0).all()  # replicated, hidden padded
+    assert tensor_plan("target", "layers.1.mlp.router.bias").shard == "replicate"
+    b = torch.randn(3, Hu)
+    shares = [tensor_plan("target", "layers.1.mlp.experts.down_proj_bias").apply(b, r, L) for r in range(2)]
+    torch.testing.assert_close(sum(shares)[:, :Hu], b)
+    assert shares[0].shape == (3, Hp)
+
+
+def test_streaming_writer_accepts_expert_slabs(tmp_path):
+    t = torch.randn(4, 3, 5)
+    w = StreamingSafetensorsWriter(tmp_path / "x.safetensors", [("e", [4, 3, 5], torch.float32), ("s", [], torch.int64)])
+    for e in range(4):
+        w.write("e", t[e:e + 1])
+    with pytest.raises(ValueError, match="expected s"):
+        w.write("e", t[:1])  # one slab too many
+    w.write("s", torch.tensor(7))
+    w.close()
+    back = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(back["e"], t) and back["s"].item() == 7
+    w2 = StreamingSafetensorsWriter(tmp_path / "y.safetensors", [("e", [4, 3, 5], torch.float32)])
+    with pytest.raises(ValueError, match="rows from 0"):
+        w2.write("e", torch.randn(5, 3, 5))
+
+
+def test_experts_stream_one_at_a_time(tmp_path):
+    """write_rank_files reads a stacked expert tensor expert by expert (never whole) and writes the same
+    per-rank files as sharding the whole tensor."""
+    from eagle3_build.checkpoints import TensorSource
+    from eagle3_build.sharding import write_rank_files
+
+    E, I = 4, 90
+    full = torch.randn(E, Hu, 2 * I)
+    reads = []
+
+    def rows(lo, hi):
+        reads.append(hi - lo)
+        return full[lo:hi]
+
+    def whole():
+        raise AssertionError("an expert tensor was read whole")
+
+    name = "layers.0.mlp.experts.gate_up_proj"
+    src = TensorSource({name: whole}, {name: list(full.shape)}, "mem", {name: rows})
+    L = layout(tp=2, intermediate=I)
+    shape = [E, Hp, 2 * L.intermediate_per_rank]
+    paths = write_rank_files("target", src, [name], {name: (shape, torch.float32)}, L, tmp_path)
+    assert reads == [1] * E
+    for r, p in enumerate(paths):
+        assert torch.equal(load_file(p)[name], tensor_plan("target", name).apply(full, r, L))

@@ -1,10 +1,16 @@
 """Run every graph role of a bundle on fixed inputs; rank 0 saves the (unpadded) outputs.
 
-    python tests/tp_roles.py BUNDLE OUT.safetensors                          # TP 1
-    torchrun --nproc-per-node N tests/tp_roles.py BUNDLE OUT.safetensors     # TP N (all ranks SPMD)
+    python tests/tp_roles.py BUNDLE OUT.safetensors [TOKENS.json]                       # TP 1
+    torchrun --nproc-per-node N tests/tp_roles.py BUNDLE OUT.safetensors [TOKENS.json]  # TP N (SPMD)
+
+With TOKENS.json (a list of token ids) the target graphs also run that sequence the way the runtime
+does -- prefill of all but the last K+2 tokens, one verify of K+1, one decode -- saving `seq.*` logits and
+aux states per position, to compare with a reference model run over the whole sequence.
 """
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -47,8 +53,33 @@ def run_roles(bundle: Bundle) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def run_sequence(bundle: Bundle, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """prefill tokens[:n] -> logits at n-1; verify tokens[n:n+K+1] -> logits at n..n+K; decode
+    tokens[n+K+1] -> logits at n+K+1. Aux states (unpadded) for every position of the prefill and verify."""
+    m = bundle.manifest
+    lay = m.models["target"].layout
+    hu, hp = lay["hidden"], lay["padded_hidden"]
+    K, b = m.num_speculative_tokens, m.batch_buckets[0]
+    n = len(tokens) - K - 2
+    S = min(s for s in m.prefill_buckets if s >= n)
+    with torch.inference_mode():
+        prompt = torch.zeros(1, S, dtype=torch.int64)
+        prompt[0, :n] = torch.tensor(tokens[:n])
+        logits, aux = bundle.graph("target_prefill", S)(prompt, torch.tensor([0]), torch.tensor([n - 1]))
+        out = {"seq.prefill.logits": logits[0], "seq.prefill.aux": unpad_aux(aux, hu, hp)[0, :n]}
+        vt = torch.zeros(b, K + 1, dtype=torch.int64)
+        vt[0] = torch.tensor(tokens[n:n + K + 1])
+        logits, aux = bundle.graph("target_verify", b)(vt, torch.full((b,), n))
+        out["seq.verify.logits"], out["seq.verify.aux"] = logits[0], unpad_aux(aux, hu, hp)[0]
+        dt = torch.full((b,), tokens[n + K + 1])
+        (logits,) = bundle.graph("target_decode", b)(dt, torch.full((b,), n + K + 1))
+        out["seq.decode.logits"] = logits[0]
+    return out
+
+
 def main():
     bundle_dir, out_path = sys.argv[1], sys.argv[2]
+    tokens = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if world > 1:
@@ -56,9 +87,11 @@ def main():
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-    outs = run_roles(Bundle(bundle_dir, rank=rank))
+    bundle = Bundle(bundle_dir, rank=rank)
+    outs = run_sequence(bundle, tokens) if tokens is not None else {}
+    outs |= run_roles(bundle)
     if rank == 0:
-        save_file(outs, out_path)
+        save_file({k: v.contiguous() for k, v in outs.items()}, out_path)
     if world > 1:
         dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
-"""Backends turn a traced graph module into a graph file. Each exposes NAME, SUFFIX, version(),
-compile_graph(module, example_args, out_path) -> info dict, output_specs(module, example_args) and
-optionally toolchain() -> extra manifest entries.
+"""Backends turn an exported graph (torch.export.ExportedProgram) into a graph file. Each exposes
+NAME, SUFFIX, JOB_MEMORY_GB (per parallel compile job), version(), key_fields() (what enters the
+compile-cache key besides the graph), toolchain() (extra manifest entries),
+output_specs(module, example_args) and compile_exported(ep, out_path, key) -> info dict.
 
 `preflight` runs before anything heavy (no torch import), so a missing SDK fails in well under a second.
 """
@@ -25,8 +26,6 @@ def missing_neuron_sdk() -> list[str]:
 def preflight(name: str) -> None:
     if name not in BACKENDS:
         raise UserError(f"backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    if name == "aoti":
-        raise UserError("backend aoti is not available in this build yet; use backend: export")
     if name == "neuron":
         missing = missing_neuron_sdk()
         if missing:
@@ -42,6 +41,10 @@ def get_backend(name: str, options: dict | None = None):
         from . import export
 
         return export
+    if name == "aoti":
+        from .aoti import AotiBackend
+
+        return AotiBackend(options or {})
     from .neuron import NeuronBackend
 
     return NeuronBackend(options or {})

@@ -1,22 +1,36 @@
-"""Backend `export`: torch.export each graph to its own .pt2 (weights stay outside, as inputs)."""
+"""Backend `export`: torch.export each graph to its own .pt2 (weights stay outside, as inputs).
+
+The runtime runs it through `ExportedProgram.module()` (interpreted FX: portable, slowest).
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from .pt2 import set_serialization_id
+
 NAME = "export"
 SUFFIX = ".pt2"
+JOB_MEMORY_GB = 0.5  # per compile job, on top of the graph's inputs (none are materialised)
 
 
 def version() -> str:
     return torch.__version__
 
 
-def compile_graph(module: torch.nn.Module, example_args: tuple, out: Path) -> dict:
-    ep = torch.export.export(module, example_args, strict=False)
+def key_fields() -> dict:
+    return {"name": NAME, "version": version()}
+
+
+def toolchain() -> dict[str, str]:
+    return {}
+
+
+def compile_exported(ep, out: Path, key: str) -> dict:
     ep.example_inputs = None  # would embed the (weight-sized) example inputs in the file
     torch.export.save(ep, out)
+    set_serialization_id(out, key)
     return {"format": "torch.export", "torch": torch.__version__}
 
 

@@ -117,18 +117,25 @@ class NeuronBackend:
                 "libneuronxla": self.versions["libneuronxla"], "neuron_target": self.target,
                 "neuron_lnc": str(self.lnc), "neuron_compiler_args": shlex.join(self.args)}
 
+    JOB_MEMORY_GB = 16.0  # neuronx-cc on an 8B-class graph; plan/--jobs use it
+
+    def key_fields(self) -> dict:
+        return {"name": NAME, "versions": self.versions, "compiler_args": self.args}
+
     def output_specs(self, module: torch.nn.Module, example_args: tuple):
         from .export import output_specs
 
         return output_specs(module, example_args)
 
-    def compile_graph(self, module: torch.nn.Module, example_args: tuple, out: Path) -> dict:
+    def compile_exported(self, ep, out: Path, key: str) -> dict:
         import torch_neuronx
 
-        weights, kv, *inputs = example_args
-        traced_fn = StatefulGraph(module, weights)
+        from .aoti import example_inputs
+
+        (weights, kv, *inputs), _ = ep.example_inputs or example_inputs(ep)
+        traced_fn = StatefulGraph(ep.module(), weights)
         example = (kv, *inputs)
-        n_out = len(self.output_specs(module, example_args))
+        n_out = len(ep.graph_signature.user_outputs)
         workdir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-", dir=out.parent))
         try:
             traced = torch_neuronx.trace(traced_fn, example, input_output_aliases={kv: n_out},
@@ -145,21 +152,15 @@ class NeuronBackend:
 
 
 class StatefulGraph(torch.nn.Module):
-    """What torch_neuronx traces: the role module with its weights set as real (non-inlined)
+    """What torch_neuronx traces: the exported graph with its weights held as real (non-inlined)
     parameters, taking (kv, rank, *inputs) and returning (*outputs, kv) so that the cache can be
-    aliased as device state. Tracers cannot see through functional_call, so weights are bound here."""
+    aliased as device state (the runtime binds each rank's weights by `param_names`)."""
 
-    def __init__(self, bound_graph: torch.nn.Module, weights: tuple[torch.Tensor, ...]):
+    def __init__(self, graph: torch.nn.Module, weights: tuple[torch.Tensor, ...]):
         super().__init__()
-        self.role = bound_graph.role_module
-        for name, w in zip(bound_graph.weight_names, weights):
-            parent, _, leaf = name.rpartition(".")
-            mod = self.role.get_submodule(parent)
-            if leaf in mod._parameters:
-                mod._parameters[leaf] = torch.nn.Parameter(w, requires_grad=False)
-            else:
-                mod._buffers[leaf] = w
-        self.param_names = [f"role.{n}" for n in bound_graph.weight_names]  # names in the traced state_dict
+        self.graph = graph
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=False) for w in weights])
+        self.param_names = [f"weights.{i}" for i in range(len(weights))]  # names in the traced state_dict
 
     def forward(self, kv, *inputs):
-        return (*self.role(kv, *inputs), kv)
+        return (*self.graph(tuple(self.weights), kv, *inputs), kv)

@@ -19,17 +19,21 @@ padded channels stay exactly zero through the network and RMSNorm averages over 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import CheckpointError
 from ..sharding import Layout
 
 
 @dataclass(frozen=True)
 class LlamaArgs:
+    ARCH: ClassVar[str] = "llama"
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,6 +45,33 @@ class LlamaArgs:
     tie_word_embeddings: bool
     rope: dict = field(default_factory=dict)  # HF rope parameters (rope_type, rope_theta, ...)
     max_position_embeddings: int = 8192
+
+
+def rope_params(cfg: dict) -> dict:
+    """HF rope parameters from a config dict (transformers 5 `rope_parameters` or 4.x `rope_scaling`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+    return params
+
+
+def llama_args(cfg: dict, role: str) -> LlamaArgs:
+    try:
+        heads = cfg["num_attention_heads"]
+        return LlamaArgs(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=rope_params(cfg), max_position_embeddings=cfg.get("max_position_embeddings", 8192))
+    except KeyError as e:
+        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from None
 
 
 def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -104,15 +135,17 @@ class RMSNorm(nn.Module):
         self.eps, self.true_dim = eps, true_dim or dim
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32."""
         h = x.float()
         if self.true_dim == h.shape[-1]:
             var = h.pow(2).mean(-1, keepdim=True)
         else:  # padded channels are zero: average over the real ones only
             var = h.pow(2).sum(-1, keepdim=True) / self.true_dim
-        h = h * torch.rsqrt(var + self.eps)
-        return self.weight * h.to(dtype)
+        return h * torch.rsqrt(var + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normed(x).to(x.dtype)
 
 
 class VocabEmbedding(nn.Module):
@@ -139,6 +172,12 @@ def vocab_parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, com
     return logits[..., :vocab] if logits.shape[-1] != vocab else logits
 
 
+def cache_write(kv, layer: int, rows, positions, k_new, v_new) -> None:
+    """k_new/v_new [b, Hkv, T, d] into the static cache at (rows, positions) [b, T], in place."""
+    kv[layer, 0, rows, :, positions] = k_new.transpose(1, 2)
+    kv[layer, 1, rows, :, positions] = v_new.transpose(1, 2)
+
+
 def attend(q, k_new, v_new, kv, layer: int, rows, positions, prefill: bool):
     """Write k/v of this step into the static cache, then attend.
 
@@ -146,8 +185,7 @@ def attend(q, k_new, v_new, kv, layer: int, rows, positions, prefill: bool):
     Prefill attends over its own fresh keys (causal, prompt starts at 0); every other step attends
     over cache rows 0..b-1 with key_pos <= query_pos.
     """
-    kv[layer, 0, rows, :, positions] = k_new.transpose(1, 2)
-    kv[layer, 1, rows, :, positions] = v_new.transpose(1, 2)
+    cache_write(kv, layer, rows, positions, k_new, v_new)
     if prefill:
         return F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, enable_gqa=True)
     b = q.shape[0]
@@ -240,6 +278,22 @@ class Llama(nn.Module):
 
 
 def llama_layout(a: LlamaArgs, tp: int, padded_hidden: int | None = None) -> Layout:
+    """Also the GPT-OSS layout (same field names; its expert intermediate follows Layout's rules)."""
     return Layout(tp=tp, hidden=a.hidden_size, padded_hidden=padded_hidden or a.hidden_size,
                   num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                   intermediate=a.intermediate_size, vocab=a.vocab_size)
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
+
+
+def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = None,
+                          dtype: torch.dtype | str = torch.bfloat16) -> int:
+    """Bytes of tensor data in one rank's weights/target/rank<r>.safetensors for a Llama config.json
+    dict: the parameters of the rank-local model the bundle builds (sharded, padded), so the count is
+    exactly what the sharder writes (file headers aside)."""
+    a = llama_args(config, "target")
+    with torch.device("meta"):
+        m = Llama(a, (), llama_layout(a, tp, padded_hidden))
+    return sum(p.numel() for p in m.parameters()) * dtype_bytes(dtype)

@@ -1,0 +1,139 @@
+"""Build-time and decode-speed benchmark for the aoti backend, measured side by side in one run.
+
+    python benchmarks/build_bench.py [--out artifacts/build-bench] [--save-result build_bench.json]
+
+On one tiny pair (make-tiny-pair, K 3, one prefill bucket, batch 1: 6 graphs):
+  1. cold build, --jobs 1 (empty compile cache A)
+  2. cold build, --jobs 2 (empty compile cache B)
+  3. warm rebuild (cache B again): graphs compiled (goal 0) and wall time (goal <= 10 s)
+  4. decode tokens/s on the same prompts, greedy, 1 CPU thread each: aoti bundle vs export bundle
+     (both through the runtime Engine, speculative and plain) vs transformers eager `generate()`.
+Goals (issue 5): jobs 2 >= 1.6x faster than jobs 1 on 2 cores; aoti decode >= 3x transformers eager.
+Prints a table and writes JSON. Numbers are medians over --repeats prompt passes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def compile_bundle(recipe: Path, out: Path, cache: Path, backend: str, jobs: int) -> dict:
+    env = dict(os.environ, EAGLE3_BUILD_CACHE=str(cache))
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "eagle3_build.cli", "compile", str(recipe), "--out", str(out),
+                        "--backend", backend, "--jobs", str(jobs), "--json", "--no-verify"],
+                       capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.exit(f"compile failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    built = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")][-1]
+    return {"wall_s": round(wall, 2), "compiled": built["compiled"], "cached": built["cached"]}
+
+
+def decode_speed(bundle: Path, prompts: list[list[int]], max_tokens: int, speculative: bool) -> dict:
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+
+    engine = Engine(Bundle(bundle))
+    engine.generate(prompts[0], 8, speculative=speculative)  # warm-up
+    rates, accepted = [], []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        g = engine.generate(ids, max_tokens, speculative=speculative)
+        rates.append(len(g.token_ids) / (time.perf_counter() - t0))
+        if speculative and g.stats.num_drafts:
+            accepted.append(g.stats.mean_acceptance_length)
+    out = {"tok_s": round(statistics.median(rates), 1)}
+    if accepted:
+        out["acceptance_length"] = round(statistics.mean(accepted), 2)
+    return out
+
+
+def hf_speed(target: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+    rates = []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False)
+        rates.append((out.shape[1] - len(ids)) / (time.perf_counter() - t0))
+    return {"tok_s": round(statistics.median(rates), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("artifacts/build-bench"))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--save-result", type=Path, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    from eagle3_build.tiny import make_tiny_pair
+
+    root = args.out
+    shutil.rmtree(root, ignore_errors=True)
+    recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)
+    recipe.write_text(recipe.read_text().replace("prefill: [64, 128]", "prefill: [64]"))
+
+    res: dict = {"machine": {"cpus": os.cpu_count()}, "graphs": 6}
+    res["cold_jobs1"] = compile_bundle(recipe, root / "aoti-j1", root / "cache-a", "aoti", 1)
+    res["cold_jobs2"] = compile_bundle(recipe, root / "aoti-j2", root / "cache-b", "aoti", 2)
+    res["warm_rebuild"] = compile_bundle(recipe, root / "aoti-warm", root / "cache-b", "aoti", 2)
+    res["export_build"] = compile_bundle(recipe, root / "export", root / "cache-b", "export", 1)
+    res["jobs2_speedup"] = round(res["cold_jobs1"]["wall_s"] / res["cold_jobs2"]["wall_s"], 2)
+
+    import random
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(root / "aoti-j2" / "tokenizer" / "tokenizer.json"))
+    rng = random.Random(0)
+    words = "the a fox dog runs over under quick lazy brown river city night day light".split()
+    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(12))).ids for _ in range(args.num_prompts)]
+    res["decode"] = {
+        "aoti_spec": decode_speed(root / "aoti-j2", prompts, args.max_tokens, True),
+        "aoti_plain": decode_speed(root / "aoti-j2", prompts, args.max_tokens, False),
+        "export_spec": decode_speed(root / "export", prompts, args.max_tokens, True),
+        "export_plain": decode_speed(root / "export", prompts, args.max_tokens, False),
+        "transformers_eager": hf_speed(recipe.parent / "target", prompts, args.max_tokens),
+    }
+    d = res["decode"]
+    hf = d["transformers_eager"]["tok_s"]
+    res["ratios"] = {"aoti_spec_vs_transformers": round(d["aoti_spec"]["tok_s"] / hf, 2),
+                     "aoti_plain_vs_transformers": round(d["aoti_plain"]["tok_s"] / hf, 2),
+                     "aoti_spec_vs_export_spec": round(d["aoti_spec"]["tok_s"] / d["export_spec"]["tok_s"], 2),
+                     "jobs2_vs_jobs1_build": res["jobs2_speedup"]}
+
+    print(f"{'build':<28}{'wall s':>10}{'compiled':>10}{'cached':>8}")
+    for k in ("cold_jobs1", "cold_jobs2", "warm_rebuild", "export_build"):
+        b = res[k]
+        print(f"{k:<28}{b['wall_s']:>10.1f}{b['compiled']:>10}{b['cached']:>8}")
+    print(f"jobs 2 vs jobs 1: {res['jobs2_speedup']:.2f}x (goal >= 1.6x); warm rebuild "
+          f"{res['warm_rebuild']['wall_s']:.1f}s with {res['warm_rebuild']['compiled']} compiled (goal 0, <= 10 s)")
+    print(f"\n{'decode (greedy, 1 thread)':<28}{'tok/s':>10}{'accept len':>12}")
+    for k, v in d.items():
+        print(f"{k:<28}{v['tok_s']:>10.1f}{v.get('acceptance_length', ''):>12}")
+    for k, v in res["ratios"].items():
+        print(f"{k}: {v:.2f}x")
+    text = json.dumps(res, indent=2)
+    if args.save_result:
+        args.save_result.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

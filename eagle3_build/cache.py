@@ -1,0 +1,293 @@
+"""Content-addressed compile cache.
+
+A graph's key is a hash of what determines its compiled code and nothing incidental:
+
+  * the exported graph's code and signature (op by op; weights are graph *inputs*, so their values
+    never enter the key: a fine-tune or a renamed copy of a checkpoint reuses every graph),
+  * every input/output shape and dtype, and the bytes of the constants baked into the graph
+    (e.g. RoPE frequency tables, which follow the config),
+  * the backend, its version, its compiler flags and the target device (for aoti: the CPU ISA the
+    code is compiled for), the torch version and the cache format.
+
+Layout under `$EAGLE3_BUILD_CACHE` (default `~/.cache/eagle3-build`):
+
+  graphs/<k[:2]>/<key>/entry.json + graph file(s)   one directory per compiled graph
+  traces/<trace key>.json                           trace memo: graph key + output specs of a graph
+                                                    whose trace inputs (configs, layout, shapes, the
+                                                    toolchain's own source) were seen before, so a warm
+                                                    rebuild does not even re-export
+  failures/<key>.json + <key>.log                   the last failed compile of a key (never skips a compile)
+  tmp/                                              entries being written
+
+Entries are written in `tmp/` and renamed into place (atomic on one filesystem, so several builders
+can share one cache directory, e.g. NFS or a CI cache, and readers need no lock). A hit is
+re-hashed before use; a corrupt entry is dropped and recompiled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3_runtime.manifest import sha256_file
+
+KEY_FORMAT = 1
+ENTRY = "entry.json"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("EAGLE3_BUILD_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "eagle3-build"
+
+
+# ------------------------------------------------------------------ keys
+
+def graph_key(ep, backend_fields: dict) -> str:
+    """Key of an ExportedProgram compiled by a backend described by `backend_fields`."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def put(tag: str, data: bytes | str) -> None:
+        data = data.encode() if isinstance(data, str) else data
+        h.update(f"{tag}:{len(data)}:".encode())
+        h.update(data)
+
+    put("format", str(KEY_FORMAT))
+    put("torch", torch.__version__)
+    put("backend", json.dumps(backend_fields, sort_keys=True))
+    code = "\n".join(line for line in ep.graph_module.code.splitlines()
+                     if line.strip() and not line.lstrip().startswith("#"))
+    put("code", code)
+    put("signature", str(ep.graph_signature))
+    for node in ep.graph.nodes:  # shapes/dtypes of every input and output
+        if node.op in ("placeholder", "output"):
+            put("node", f"{node.op} {node.name} {_meta(node)}")
+    for name, t in sorted({**ep.constants, **ep.state_dict}.items()):
+        if isinstance(t, torch.Tensor):
+            put("const", f"{name} {list(t.shape)} {t.dtype}")
+            if not t.is_meta and t.numel():  # (parameters of the traced module are meta placeholders:
+                put("bytes", t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+                # the graph reads the weights from its inputs, so their values never matter)
+    return h.hexdigest()
+
+
+def trace_key(fields: dict) -> str:
+    """Key of everything a graph's trace depends on: `fields` (spec, model configs, layouts, shapes,
+    backend) plus the source of this toolchain and the torch version, so any code change re-traces."""
+    import torch
+
+    body = json.dumps({"fields": fields, "code": _code_hash(), "torch": torch.__version__}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+_CODE_HASH: str | None = None
+
+
+def _code_hash() -> str:
+    global _CODE_HASH
+    if _CODE_HASH is None:
+        h = hashlib.sha256()
+        pkg = Path(__file__).resolve().parent
+        for p in sorted(pkg.rglob("*.py")):
+            h.update(p.relative_to(pkg).as_posix().encode())
+            h.update(p.read_bytes())
+        _CODE_HASH = h.hexdigest()
+    return _CODE_HASH
+
+
+def _meta(node) -> str:
+    val = node.meta.get("val")
+    if val is None:
+        return ""
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return ";".join(f"{list(v.shape)}/{v.dtype}" if hasattr(v, "shape") else repr(v) for v in vals)
+
+
+# ------------------------------------------------------------------ store
+
+@dataclass
+class Entry:
+    key: str
+    path: Path  # the entry directory
+    meta: dict
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.meta["files"])
+
+    @property
+    def compile_seconds(self) -> float:
+        return float(self.meta.get("compile_seconds", 0.0))
+
+    @property
+    def size(self) -> int:
+        return sum(int(f["size"]) for f in self.meta["files"].values())
+
+
+class CompileCache:
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root is not None else default_cache_dir()
+
+    def _dir(self, key: str) -> Path:
+        return self.root / "graphs" / key[:2] / key
+
+    # ---- read
+    def get(self, key: str, *, check: bool = True) -> Entry | None:
+        d = self._dir(key)
+        try:
+            meta = json.loads((d / ENTRY).read_text())
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, json.JSONDecodeError):
+            self._drop(d)
+            return None
+        entry = Entry(key, d, meta)
+        if check:
+            for name, f in meta["files"].items():
+                p = d / name
+                if not p.is_file() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+                    self._drop(d)  # corrupt or partially deleted: recompile
+                    return None
+        return entry
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for p in sorted((self.root / "graphs").glob("*/*/" + ENTRY)):
+            try:
+                out.append(Entry(p.parent.name, p.parent, json.loads(p.read_text())))
+            except (OSError, json.JSONDecodeError):
+                continue
+        return out
+
+    def estimate(self, backend: str, role: str, tokens: int) -> float | None:
+        """Learned compile time: the median of cached compiles of the same backend and role, scaled
+        by tokens per call (None when nothing comparable was ever compiled)."""
+        same = [e for e in self.entries() if e.meta.get("backend") == backend and e.meta.get("role") == role]
+        if not same:
+            return None
+        per_token = [e.compile_seconds / max(1, int(e.meta.get("tokens", 1))) ** 0.5 for e in same]
+        return statistics.median(per_token) * max(1, tokens) ** 0.5
+
+    # ---- write
+    def staging_dir(self) -> Path:
+        d = self.root / "tmp" / f"{uuid.uuid4().hex}"
+        d.mkdir(parents=True)
+        return d
+
+    def put(self, key: str, staged: Path, meta: dict) -> Entry:
+        """Move a directory of compiled files into the cache (atomically; the first writer wins)."""
+        files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+                 for p in sorted(staged.iterdir()) if p.is_file()}
+        meta = {**meta, "key": key, "files": files, "created": time.time()}
+        (staged / ENTRY).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        final = self._dir(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(staged, final)
+        except OSError:  # another builder stored the same key meanwhile: keep theirs
+            shutil.rmtree(staged, ignore_errors=True)
+            existing = self.get(key)
+            if existing is None:
+                raise
+            return existing
+        self.clear_failure(key)
+        return Entry(key, final, meta)
+
+    # ---- trace memo
+    def get_trace(self, trace_key: str) -> dict | None:
+        try:
+            return json.loads((self.root / "traces" / f"{trace_key}.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def put_trace(self, trace_key: str, record: dict) -> None:
+        d = self.root / "traces"
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(d / f"{trace_key}.json", json.dumps(record, sort_keys=True))
+
+    # ---- failures (recorded with their log; never used to skip a compile)
+    def record_failure(self, key: str, meta: dict, log: str) -> Path:
+        d = self.root / "failures"
+        d.mkdir(parents=True, exist_ok=True)
+        log_path = d / f"{key}.log"
+        _atomic_write(log_path, log)
+        _atomic_write(d / f"{key}.json", json.dumps({**meta, "key": key, "time": time.time()}, indent=2))
+        return log_path
+
+    def failure(self, key: str) -> dict | None:
+        try:
+            return json.loads((self.root / "failures" / f"{key}.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def clear_failure(self, key: str) -> None:
+        for suffix in (".json", ".log"):
+            (self.root / "failures" / f"{key}{suffix}").unlink(missing_ok=True)
+
+    # ---- maintenance
+    def _drop(self, d: Path) -> None:
+        trash = self.root / "tmp" / f"drop-{uuid.uuid4().hex}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(d, trash)
+        except OSError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def prune(self, *, older_than_days: float | None = None, max_bytes: int | None = None) -> list[Entry]:
+        """Drop entries not used for `older_than_days`, then the least recently used ones until the
+        cache fits in `max_bytes`. Returns what was removed."""
+        entries = sorted(self.entries(), key=lambda e: self.last_used(e))
+        removed = []
+        now = time.time()
+        if older_than_days is not None:
+            for e in list(entries):
+                if now - self.last_used(e) > older_than_days * 86400:
+                    self._drop(e.path)
+                    removed.append(e)
+                    entries.remove(e)
+        if max_bytes is not None:
+            total = sum(e.size for e in entries)
+            for e in list(entries):
+                if total <= max_bytes:
+                    break
+                self._drop(e.path)
+                removed.append(e)
+                total -= e.size
+        shutil.rmtree(self.root / "tmp", ignore_errors=True)
+        return removed
+
+    def touch(self, entry: Entry) -> None:
+        try:
+            os.utime(entry.path / ENTRY)
+        except OSError:
+            pass
+
+    @staticmethod
+    def last_used(entry: Entry) -> float:
+        try:
+            return (entry.path / ENTRY).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def clear(self) -> int:
+        n = len(self.entries())
+        for sub in ("graphs", "traces", "failures", "tmp"):
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+        return n
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,334 @@
+"""Compile graphs through the cache, in parallel worker processes.
+
+    trace (main process, torch.export) -> key -> cache hit?  -> done
+                                                 miss       -> compile job -> cache entry
+
+With `jobs == 1` a miss compiles in this process. With `jobs > 1` every miss runs in its own worker
+process (`python -m eagle3_build.compiler STAGING_DIR`, log captured next to it), at most `jobs` at
+a time, so one graph's crash (segfault, OOM kill) cannot take the others down. A worker that dies
+abnormally is retried once; a compile error is not (it would fail the same way). Failures are
+recorded in the cache with their log but never skip a later compile. Ctrl-C kills the workers and
+removes their staging directories.
+
+Fault injection (tests, CI drills): `EAGLE3_BUILD_INJECT_FAILURE=graph_name[:crash][,...]` makes
+that graph's compile raise (or, with `:crash`, its worker process die once, which the retry absorbs;
+in-process compiles, `--jobs 1`, ignore `:crash`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .cache import CompileCache, Entry
+
+INJECT_ENV = "EAGLE3_BUILD_INJECT_FAILURE"
+COMPILE_ERROR_EXIT = 3  # the worker's "compile raised" exit code (not retried)
+DEFAULT_ESTIMATE_S = {"export": 0.5, "aoti": 40.0, "neuron": 600.0}  # a decode-sized graph
+
+
+def static_estimate(backend: str, role: str, tokens: int) -> float:
+    """Machine-independent compile-time model (seconds): the same on every builder, so that
+    `--shard I/N` splits identically everywhere; learned cache timings refine it for the ETA/plan."""
+    per_model = 1.0 if role.startswith("target") else 0.4
+    return DEFAULT_ESTIMATE_S.get(backend, 60.0) * per_model * max(1, tokens) ** 0.25
+
+
+def split_shard(jobs: list[tuple[str, float]], index: int, count: int) -> set[str]:
+    """Names of shard `index` (1-based) of `count`: longest-processing-time-first onto the least
+    loaded shard, ties broken by name — deterministic and balanced."""
+    loads = [0.0] * count
+    owner: dict[str, int] = {}
+    for name, cost in sorted(jobs, key=lambda j: (-j[1], j[0])):
+        k = min(range(count), key=lambda i: (loads[i], i))
+        loads[k] += cost
+        owner[name] = k + 1
+    return {n for n, k in owner.items() if k == index}
+
+Report = Callable[[dict], None]
+
+
+@dataclass
+class GraphJob:
+    name: str
+    role: str
+    bucket: int
+    tokens: int  # tokens per call (for compile-time estimates)
+    key: str
+    ep: object  # torch.export.ExportedProgram (None when `hit` was found through the trace memo)
+    estimate: float = 0.0
+    hit: Entry | None = None
+
+
+@dataclass
+class GraphResult:
+    job: GraphJob
+    status: str  # cached | compiled | failed
+    entry: Entry | None = None
+    seconds: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    log: Path | None = None
+
+
+class CompileFailed(Exception):
+    """One or more graphs failed to compile (the others were still compiled and cached)."""
+
+    def __init__(self, failures: list[GraphResult]):
+        self.failures = failures
+        names = ", ".join(f.job.name for f in failures)
+        super().__init__(f"{len(failures)} graph(s) failed to compile: {names}")
+
+
+def default_jobs(backend, tasks: int | None = None) -> int:
+    """Parallel compile jobs from the cores and the memory available, with the backend's per-job
+    memory estimate (export compiles are trivial: one job)."""
+    if backend.NAME == "export":
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    by_memory = int(available_memory_gb() // backend.JOB_MEMORY_GB)
+    n = max(1, min(cores, by_memory))
+    return min(n, tasks) if tasks else n
+
+
+def available_memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 4.0
+
+
+def injected(name: str) -> str | None:
+    """'fail' / 'crash' when EAGLE3_BUILD_INJECT_FAILURE names this graph."""
+    for item in os.environ.get(INJECT_ENV, "").split(","):
+        graph, _, mode = item.strip().partition(":")
+        if graph == name:
+            return mode or "fail"
+    return None
+
+
+class Scheduler:
+    """Runs compile jobs for one build: cache lookups, a bounded pool of workers, retries."""
+
+    def __init__(self, backend, backend_options: dict, cache: CompileCache, jobs: int, report: Report,
+                 tp: int = 1, retries: int = 1, require_cached: bool = False):
+        self.backend, self.options, self.cache = backend, backend_options, cache
+        self.require_cached = require_cached
+        self.jobs, self.report, self.tp, self.retries = max(1, jobs), report, tp, retries
+        self.queue: list[GraphJob] = []
+        self.running: dict[str, _Worker] = {}
+        self.results: dict[str, GraphResult] = {}
+        self.attempts: dict[str, int] = {}
+
+    def _event(self, job: GraphJob, status: str, **kw) -> None:
+        self.report({"event": "graph", "graph": job.name, "role": job.role, "bucket": job.bucket,
+                     "key": job.key, "status": status, "estimate": round(job.estimate, 2), **kw})
+
+    def submit(self, job: GraphJob) -> None:
+        learned = self.cache.estimate(self.backend.NAME, job.role, job.tokens)
+        job.estimate = learned if learned is not None else static_estimate(self.backend.NAME, job.role, job.tokens)
+        entry = job.hit or self.cache.get(job.key)
+        if entry is not None:
+            self.cache.touch(entry)
+            self.results[job.name] = GraphResult(job, "cached", entry)
+            self._event(job, "cached")
+            return
+        if self.require_cached:
+            error = "not in the compile cache (--require-cached); compile it first (compile --shard I/N)"
+            self.results[job.name] = GraphResult(job, "failed", error=error)
+            self._event(job, "failed", error=error)
+            return
+        self.queue.append(job)
+        self._event(job, "queued")
+        if self.jobs > 1:
+            self.pump()
+
+    # ---------------------------------------------------------------- in-process (jobs == 1)
+    def _compile_here(self, job: GraphJob) -> None:
+        self.attempts[job.name] = 1
+        staged = self.cache.staging_dir()
+        out = staged / f"graph{self.backend.SUFFIX}"
+        self._event(job, "compiling")
+        t0 = time.perf_counter()
+        try:
+            if injected(job.name) == "fail":  # (":crash" only applies to worker processes)
+                raise RuntimeError(f"injected failure ({INJECT_ENV})")
+            info = self.backend.compile_exported(job.ep, out, job.key)
+        except Exception as e:
+            shutil.rmtree(staged, ignore_errors=True)
+            self._failed(job, f"{type(e).__name__}: {e}", traceback.format_exc(), time.perf_counter() - t0)
+            return
+        self._store(job, staged, info, time.perf_counter() - t0)
+
+    def _store(self, job: GraphJob, staged: Path, info: dict, seconds: float) -> None:
+        entry = self.cache.put(job.key, staged, {"backend": self.backend.NAME, "graph": job.name, "role": job.role,
+                                                 "bucket": job.bucket, "tokens": job.tokens,
+                                                 "compile_seconds": round(seconds, 3), "info": info})
+        self.results[job.name] = GraphResult(job, "compiled", entry, seconds, self.attempts.get(job.name, 1))
+        self._event(job, "compiled", seconds=round(seconds, 2))
+
+    def _failed(self, job: GraphJob, error: str, log: str, seconds: float) -> None:
+        log_path = self.cache.record_failure(job.key, {"graph": job.name, "backend": self.backend.NAME,
+                                                       "error": error}, log)
+        self.results[job.name] = GraphResult(job, "failed", None, seconds, self.attempts.get(job.name, 1),
+                                             error, log_path)
+        self._event(job, "failed", error=error, log=str(log_path), seconds=round(seconds, 2))
+
+    # ---------------------------------------------------------------- worker processes (jobs > 1)
+    def pump(self) -> None:
+        for name, w in list(self.running.items()):
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            del self.running[name]
+            self._reap(w, rc)
+        while self.queue and len(self.running) < self.jobs:
+            job = self.queue.pop(0)
+            self.attempts[job.name] = self.attempts.get(job.name, 0) + 1
+            self.running[job.name] = _Worker.start(job, self, self.attempts[job.name])
+            self._event(job, "compiling", attempt=self.attempts[job.name])
+
+    def _reap(self, w: _Worker, rc: int) -> None:
+        job, seconds = w.job, time.perf_counter() - w.t0
+        log = w.log.read_text(errors="replace") if w.log.exists() else ""
+        result = w.dir / "result.json"
+        if rc == 0 and result.exists():
+            info = json.loads(result.read_text())["info"]
+            self._store(job, w.out, info, seconds)
+            shutil.rmtree(w.dir, ignore_errors=True)
+            return
+        if rc != COMPILE_ERROR_EXIT and self.attempts[job.name] <= self.retries:
+            reason = f"worker exited with {_describe_rc(rc)}"
+            self._event(job, "retrying", error=reason)
+            self.queue.insert(0, job)
+            shutil.rmtree(w.dir, ignore_errors=True)
+            return
+        err_file = w.dir / "error.json"
+        error = json.loads(err_file.read_text())["error"] if err_file.exists() else f"worker exited with {_describe_rc(rc)}"
+        self._failed(job, error, log, seconds)
+        shutil.rmtree(w.dir, ignore_errors=True)
+
+    def finish(self) -> list[GraphResult]:
+        try:
+            if self.jobs == 1:
+                while self.queue:
+                    self._compile_here(self.queue.pop(0))
+            else:
+                while self.queue or self.running:
+                    self.pump()
+                    time.sleep(0.1)
+        except BaseException:
+            self.abort()
+            raise
+        return list(self.results.values())
+
+    def abort(self) -> None:
+        for w in self.running.values():
+            w.proc.terminate()
+        deadline = time.time() + 5
+        for w in self.running.values():
+            try:
+                w.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            shutil.rmtree(w.dir, ignore_errors=True)
+        self.running.clear()
+        self.queue.clear()
+
+
+def _describe_rc(rc: int) -> str:
+    if rc < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"code {rc}"
+
+
+@dataclass
+class _Worker:
+    job: GraphJob
+    proc: subprocess.Popen
+    dir: Path
+    out: Path
+    log: Path
+    t0: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, job: GraphJob, s: Scheduler, attempt: int) -> _Worker:
+        import torch
+
+        d = s.cache.staging_dir()
+        out = d / "out"
+        out.mkdir()
+        ep = job.ep
+        saved, ep.example_inputs = ep.example_inputs, None  # never serialise weight-sized examples
+        try:
+            torch.export.save(ep, d / "input.pt2")
+        finally:
+            ep.example_inputs = saved
+        inject = injected(job.name)
+        if inject == "crash" and attempt > 1:
+            inject = None  # a transient fault: the retry succeeds
+        (d / "task.json").write_text(json.dumps({
+            "graph": job.name, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
+            "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject}))
+        log = d / "compile.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", str(d)], stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return cls(job, proc, d, out, log)
+
+
+# ------------------------------------------------------------------ worker entry point
+
+def worker_main(staging: Path) -> int:
+    task = json.loads((staging / "task.json").read_text())
+    print(f"compiling {task['graph']} (key {task['key'][:16]}…) with backend {task['backend']}", flush=True)
+    if task.get("inject") == "crash":
+        print("injected crash", flush=True)
+        os._exit(70)
+    try:
+        import torch
+
+        from .backends import get_backend
+        from .bundle import tracing_process_group
+
+        torch.set_num_threads(1)
+        backend = get_backend(task["backend"], task["backend_options"])
+        with tracing_process_group(task["tp"]):
+            ep = torch.export.load(staging / "input.pt2")
+            if task.get("inject"):
+                raise RuntimeError(f"injected failure ({INJECT_ENV})")
+            info = backend.compile_exported(ep, staging / "out" / f"graph{task['suffix']}", task["key"])
+    except Exception as e:
+        traceback.print_exc()
+        (staging / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return COMPILE_ERROR_EXIT
+    (staging / "input.pt2").unlink(missing_ok=True)
+    (staging / "result.json").write_text(json.dumps({"info": info}))
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    rc = worker_main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # Inductor's compile-worker pool can keep a normal interpreter exit waiting

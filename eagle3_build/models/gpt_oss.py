@@ -1,0 +1,274 @@
+"""GPT-OSS target model (`model_type: gpt_oss`) as static-shape, functional PyTorch, next to llama.py.
+
+Same interface as `Llama`, so the role modules of graphs.py drive it unchanged:
+forward(tokens, positions, kv, rows, prefill, rank) -> (last hidden, aux), logits(h), kv_shape(B, L).
+Canonical weight names are the HF names without `model.`. What differs from Llama (REFERENCE §3):
+
+* q/k/v/o biases and per-head attention sinks: p_ij = exp(s_ij) / (sum_k exp(s_ik) + exp(sink_h));
+* sliding-window attention on the layers `layer_types` marks `sliding_attention` (key k is visible to
+  query q iff q - W < k <= q), full causal attention on the others; one static KV cache for all layers,
+  the window is a mask;
+* YaRN RoPE (inv_freq and attention scaling from transformers, through llama.Rope);
+* MoE MLP: router [E, H] + bias, softmax over the top-k router logits; each expert applies the
+  clamped SwiGLU  gu = x @ W_gu + b_gu; gate, up = gu[..., ::2], gu[..., 1::2];
+  gate = min(gate, limit); up = clamp(up, -limit, limit); y = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_d + b_d;
+* norms multiply by the weight in float32 before casting back (HF GptOssRMSNorm).
+
+Tensor parallelism as for Llama: q/k/v/o and sinks by head, vocab-parallel embedding and lm_head. The
+experts are sharded on the intermediate dim: every rank holds every expert's slice (2I/tp interleaved
+gate/up columns, I/tp down rows, down bias / tp), the router is replicated, and the routed sum is
+all-reduced once per layer. The MoE runs routed (gathering the top-k experts' weights per token) when
+few tokens are in flight (decode, verify) and dense over all experts otherwise (prefill): both are
+static-shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..sharding import Layout
+from .llama import (
+    Comm,
+    RMSNorm,
+    Rope,
+    VocabEmbedding,
+    apply_rope,
+    cache_write,
+    dtype_bytes,
+    llama_layout,
+    rope_params,
+    vocab_parallel_logits,
+)
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class GptOssArgs:
+    ARCH: ClassVar[str] = "gpt_oss"
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # per expert
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    num_experts: int
+    experts_per_token: int
+    sliding_window: int | None
+    layer_types: tuple[str, ...]
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    attention_bias: bool = True
+    rope: dict = field(default_factory=dict)
+    max_position_embeddings: int = 131072
+
+
+def gpt_oss_args(cfg: dict, role: str) -> GptOssArgs:
+    """GptOssArgs from a config.json dict (transformers' GptOssConfig defaults where a key is absent)."""
+    try:
+        heads, n = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(n)]
+        bad = sorted(set(types) - {SLIDING, FULL})
+        if bad or len(types) != n:
+            raise CheckpointError(f"{role} config.json: layer_types must list {n} entries of {SLIDING!r} / "
+                                  f"{FULL!r}, got {len(types)} entries{f' with {bad}' if bad else ''}")
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        top_k = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
+        if not experts or not top_k:
+            raise KeyError("num_local_experts" if not experts else "num_experts_per_tok")
+        if not 0 < top_k <= experts:
+            raise CheckpointError(f"{role} config.json: num_experts_per_tok {top_k} must be in 1..{experts}")
+        rope = rope_params({"rope_theta": 150000.0, **cfg})
+        return GptOssArgs(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=n, num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=int(experts), experts_per_token=int(top_k), sliding_window=cfg.get("sliding_window"),
+            layer_types=tuple(types), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            attention_bias=bool(cfg.get("attention_bias", True)), rope=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 131072))
+    except KeyError as e:
+        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from None
+
+
+class GptOssRMSNorm(RMSNorm):
+    """HF GptOssRMSNorm: weight * normed in float32, then cast (Llama casts first; same in float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight.float() * self.normed(x)).to(x.dtype)
+
+
+def sink_attention(q, k, v, sinks, visible, scale: float) -> torch.Tensor:
+    """Softmax attention with one extra logit per head (its sink) that takes probability mass but no value.
+
+    q [b, H, T, d]; k/v [b, Hkv, S, d] (GQA: q head h reads KV head h // (H / Hkv)); sinks [H];
+    visible [b, T, S] bool.
+    """
+    b, H, T, d = q.shape
+    n_kv = k.shape[1]
+    g = H // n_kv
+    q = q.view(b, n_kv, g, T, d)
+    s = (q @ k[:, :, None].transpose(-1, -2)) * scale  # [b, Hkv, g, T, S]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    sink = sinks.to(s.dtype).view(1, n_kv, g, 1, 1).expand(b, n_kv, g, T, 1)
+    p = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (p @ v[:, :, None]).view(b, H, T, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: GptOssArgs, L: Layout, window: int | None, comm: Comm):
+        super().__init__()
+        H, Hkv, d, Hp = L.heads_per_rank, L.kv_heads_per_rank, a.head_dim, L.padded_hidden
+        self.n_heads, self.n_kv, self.head_dim, self.window, self.comm = H, Hkv, d, window, comm
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(Hp, H * d, bias=a.attention_bias)
+        self.k_proj = nn.Linear(Hp, Hkv * d, bias=a.attention_bias)
+        self.v_proj = nn.Linear(Hp, Hkv * d, bias=a.attention_bias)
+        self.o_proj = nn.Linear(H * d, Hp, bias=a.attention_bias)
+        self.sinks = nn.Parameter(torch.empty(H))
+
+    def forward(self, x, cos, sin, kv, layer, rows, positions, prefill):
+        b, T, _ = x.shape
+        q = self.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache_write(kv, layer, rows, positions, k, v)
+        if prefill:  # the prompt's own keys (positions 0..S-1)
+            keys, values, key_pos = k, v, positions[0]
+        else:  # cache rows 0..b-1, every position
+            keys, values = kv[layer, 0, :b], kv[layer, 1, :b]
+            key_pos = torch.arange(kv.shape[4], device=x.device)
+        q_pos = positions[:, :, None]
+        visible = key_pos <= q_pos
+        if self.window is not None:
+            visible = visible & (key_pos > q_pos - self.window)
+        o = sink_attention(q, keys, values, self.sinks, visible, self.scale)
+        return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
+
+
+class Experts(nn.Module):
+    """Stacked experts, rank-local intermediate slice I_r: gate_up [E, H, 2 I_r] (gate even, up odd)."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, limit: float, alpha: float):
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, hidden, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, inter, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, hidden))
+
+    def act(self, gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu[..., ::2], gu[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def routed(self, x, idx, w):
+        """x [N, H], idx/w [N, k]: gathers the k chosen experts' weights per token (decode, verify)."""
+        gu = torch.einsum("nh,nkhi->nki", x, self.gate_up_proj[idx]) + self.gate_up_proj_bias[idx]
+        y = torch.einsum("nki,nkih->nkh", self.act(gu), self.down_proj[idx]) + self.down_proj_bias[idx]
+        return (y * w[..., None]).sum(dim=1)
+
+    def dense(self, x, idx, w):
+        """Every expert on every token, weighted by the (mostly zero) routing weights (prefill)."""
+        gu = torch.einsum("nh,ehi->eni", x, self.gate_up_proj) + self.gate_up_proj_bias[:, None]
+        y = torch.einsum("eni,eih->enh", self.act(gu), self.down_proj) + self.down_proj_bias[:, None]
+        weights = torch.zeros(x.shape[0], y.shape[0], dtype=w.dtype, device=w.device).scatter(1, idx, w)
+        return torch.einsum("enh,ne->nh", y, weights)
+
+
+class MoE(nn.Module):
+    def __init__(self, a: GptOssArgs, L: Layout, comm: Comm):
+        super().__init__()
+        self.top_k, self.n_experts, self.comm = a.experts_per_token, a.num_experts, comm
+        self.router = nn.Linear(L.padded_hidden, a.num_experts, bias=True)  # replicated
+        self.experts = Experts(a.num_experts, L.padded_hidden, L.intermediate_per_rank, a.swiglu_limit,
+                               a.swiglu_alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, T, H = x.shape
+        x = x.reshape(b * T, H)
+        top, idx = torch.topk(self.router(x), self.top_k, dim=-1)
+        w = top.softmax(dim=-1)
+        # static choice per graph: gathering k experts per token beats running all E when N*k < E
+        y = self.experts.routed(x, idx, w) if b * T * self.top_k < self.n_experts else self.experts.dense(x, idx, w)
+        return self.comm.all_reduce(y).view(b, T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: GptOssArgs, L: Layout, window: int | None, comm: Comm):
+        super().__init__()
+        Hp = L.padded_hidden
+        self.self_attn = Attention(a, L, window, comm)
+        self.mlp = MoE(a, L, comm)
+        self.input_layernorm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
+        self.post_attention_layernorm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
+
+    def forward(self, h, cos, sin, kv, layer, rows, positions, prefill):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, rows, positions, prefill)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GptOss(nn.Module):
+    """Target model; same call interface as llama.Llama."""
+
+    def __init__(self, a: GptOssArgs, aux_layer_ids: tuple[int, ...], layout: Layout | None = None):
+        super().__init__()
+        L = layout or gpt_oss_layout(a, 1)
+        self.args, self.layout, self.aux_layer_ids = a, L, tuple(aux_layer_ids)
+        comm = self.comm = Comm(L.tp)
+        Hp = L.padded_hidden
+        self.embed_tokens = VocabEmbedding(L.vocab_per_rank, Hp, comm)
+        self.layers = nn.ModuleList(
+            DecoderLayer(a, L, a.sliding_window if t == SLIDING else None, comm) for t in a.layer_types)
+        self.norm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
+        if not a.tie_word_embeddings:
+            self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)
+        self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
+
+    def kv_shape(self, max_num_seqs: int, max_model_len: int) -> list[int]:
+        a, L = self.args, self.layout
+        return [a.num_layers, 2, max_num_seqs, L.kv_heads_per_rank, max_model_len, a.head_dim]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
+
+    def forward(self, tokens, positions, kv, rows, prefill: bool, rank: torch.Tensor):
+        """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p])."""
+        h = self.embed_tokens(tokens, rank)
+        cos, sin = self.rope(positions, h.dtype)
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            entering[i] = h
+            h = layer(h, cos, sin, kv, i, rows, positions, prefill)
+        return h, torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
+
+
+def gpt_oss_layout(a: GptOssArgs, tp: int, padded_hidden: int | None = None) -> Layout:
+    return llama_layout(a, tp, padded_hidden)
+
+
+def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = None,
+                          dtype: torch.dtype | str = torch.bfloat16) -> int:
+    """Bytes of tensor data in one rank's weights/target/rank<r>.safetensors for a gpt_oss config.json
+    dict (MXFP4 experts count dequantized, as the bundle stores them): the parameters of the rank-local
+    model the bundle builds, so it is exactly what the sharder writes (file headers aside)."""
+    a = gpt_oss_args(config, "target")
+    with torch.device("meta"):
+        m = GptOss(a, (), gpt_oss_layout(a, tp, padded_hidden))
+    return sum(p.numel() for p in m.parameters()) * dtype_bytes(dtype)
+

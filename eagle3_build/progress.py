@@ -1,0 +1,119 @@
+"""Build progress for people (rich: one row per graph, an ETA learned from the compile cache) and
+for CI logs (`--json`: one JSON object per line on stdout)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+STYLE = {"queued": "dim", "compiling": "yellow", "retrying": "magenta", "cached": "cyan", "compiled": "green",
+         "failed": "bold red"}
+
+
+def fmt_s(s: float) -> str:
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.0f}s"
+    m, s = divmod(int(s), 60)
+    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
+
+
+class BuildState:
+    """What every reporter tracks: per-graph status, timings and the ETA."""
+
+    def __init__(self, pair: str):
+        self.pair, self.t0 = pair, time.perf_counter()
+        self.stage = "load"
+        self.jobs, self.total = 1, 0
+        self.graphs: dict[str, dict] = {}
+
+    def update(self, ev: dict) -> None:
+        if ev["event"] == "stage":
+            self.stage = ev["stage"]
+            self.total = ev.get("total", self.total)
+            self.jobs = ev.get("jobs", self.jobs)
+        elif ev["event"] == "graph":
+            g = self.graphs.setdefault(ev["graph"], {"estimate": ev.get("estimate", 0.0)})
+            g.update({k: v for k, v in ev.items() if k not in ("event", "graph")})
+            if ev["status"] == "compiling":
+                g["started"] = time.perf_counter()
+
+    def count(self, status: str) -> int:
+        return sum(g["status"] == status for g in self.graphs.values())
+
+    def eta(self) -> float | None:
+        now, remaining = time.perf_counter(), 0.0
+        pending = False
+        for g in self.graphs.values():
+            if g["status"] in ("queued", "retrying"):
+                remaining += g["estimate"]
+                pending = True
+            elif g["status"] == "compiling":
+                remaining += max(g["estimate"] * 0.1, g["estimate"] - (now - g.get("started", now)))
+                pending = True
+        return remaining / max(1, self.jobs) if pending else None
+
+
+class RichReporter:
+    def __init__(self, pair: str, console: Console):
+        self.state = BuildState(pair)
+        self.live = Live(self, console=console, refresh_per_second=4, transient=False)
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.live.__exit__(*exc)
+
+    def __call__(self, ev: dict) -> None:
+        self.state.update(ev)
+
+    def __rich__(self):
+        s = self.state
+        done = s.count("cached") + s.count("compiled")
+        eta = s.eta()
+        head = Text.assemble((f"{s.pair}", "bold"), f": {s.stage}  ")
+        if s.total:
+            head.append(f"graphs {done}/{s.total} ({s.count('cached')} cached, {s.count('compiled')} compiled"
+                        f"{', ' + str(s.count('failed')) + ' failed' if s.count('failed') else ''}), "
+                        f"{s.jobs} job{'s' if s.jobs > 1 else ''}")
+        head.append(f"  elapsed {fmt_s(time.perf_counter() - s.t0)}")
+        if eta is not None:
+            head.append(f"  ETA {fmt_s(eta)}", style="bold")
+        active = [(n, g) for n, g in s.graphs.items() if g["status"] in ("compiling", "retrying", "failed")]
+        if not active:
+            return head
+        t = Table(show_header=False, box=None, padding=(0, 1))
+        for name, g in active:
+            took = fmt_s(time.perf_counter() - g.get("started", time.perf_counter()))
+            t.add_row(f"  {name}", Text(g["status"], style=STYLE.get(g["status"], "")),
+                      f"{took} / ~{fmt_s(g['estimate'])}" if g["status"] == "compiling" else (g.get("error") or ""))
+        return Group(head, t)
+
+
+class JsonReporter:
+    """JSON lines on stdout: {"event": ..., "pair": ..., "t": seconds since the start, ...}."""
+
+    def __init__(self, pair: str):
+        self.state = BuildState(pair)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def __call__(self, ev: dict) -> None:
+        self.state.update(ev)
+        emit({**ev, "pair": self.state.pair, "t": round(time.perf_counter() - self.state.t0, 3)})
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()

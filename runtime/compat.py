@@ -1,0 +1,147 @@
+"""Will this bundle load here? Answered from the manifest and the host, without loading anything.
+
+Used by `eagle3-build check BUNDLE` (exit codes for deploy scripts) and, check by check, by the
+runtime itself before it loads a bundle.
+
+  exit  verdict
+  0     ok: the bundle will load on this machine
+  2     not a bundle / unreadable / corrupt or incomplete files (with --files)
+  3     schema version this runtime cannot read (rebuild or upgrade)
+  4     backend unavailable or toolchain mismatch (SDK missing, other torch / SDK version)
+  5     device or parallelism mismatch (CPU ISA, no GPU, NeuronCores/lnc, tp degree vs ranks)
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .manifest import MANIFEST, SCHEMA_VERSION, Manifest
+
+OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
+CPU_ISA_RANK = {"DEFAULT": 0, "VSX": 1, "ZVECTOR": 1, "SVE256": 1, "AVX2": 1, "AVX512": 2}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    code: int = OK
+
+
+@dataclass
+class Verdict:
+    bundle: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def code(self) -> int:
+        return next((c.code for c in self.checks if not c.ok), OK)
+
+    @property
+    def ok(self) -> bool:
+        return self.code == OK
+
+    def reasons(self) -> list[str]:
+        return [c.detail for c in self.checks if not c.ok]
+
+    def to_dict(self) -> dict:
+        return {"bundle": self.bundle, "ok": self.ok, "exit_code": self.code,
+                "checks": [asdict(c) for c in self.checks]}
+
+
+def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, backend_env: bool = True,
+                 environ: dict | None = None) -> Verdict:
+    environ = os.environ if environ is None else environ
+    v = Verdict(str(root))
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        v.checks.append(Check("manifest", False, f"{root}: no {MANIFEST}; not a bundle", BAD_BUNDLE))
+        return v
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        v.checks.append(Check("manifest", False, f"{path}: unreadable ({e}); re-download the bundle", BAD_BUNDLE))
+        return v
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        v.checks.append(Check("schema", False, f"manifest schema version {version!r}, this runtime reads "
+                                               f"{SCHEMA_VERSION}; rebuild the bundle or use a matching runtime",
+                              SCHEMA))
+        return v
+    from .bundle import BundleError, read_manifest, verify_files
+
+    try:
+        m = read_manifest(Path(root))
+    except BundleError as e:
+        v.checks.append(Check("manifest", False, str(e), BAD_BUNDLE))
+        return v
+    v.checks.append(Check("schema", True, f"schema {SCHEMA_VERSION}, digest {m.digest[:16]}"))
+    if files:
+        try:
+            verify_files(Path(root), m)
+            v.checks.append(Check("files", True, f"{len(m.all_files())} files match their sha256"))
+        except BundleError as e:
+            v.checks.append(Check("files", False, str(e), BAD_BUNDLE))
+            return v
+    if backend_env:
+        v.checks += backend_checks(m, environ)
+    v.checks.append(parallel_check(m, ranks, environ))
+    return v
+
+
+def backend_checks(m: Manifest, environ: dict) -> list[Check]:
+    import torch
+
+    tc = m.toolchain
+    if m.backend == "export":
+        return [Check("backend", True, f"export graphs, built with torch {tc.get('torch')}, running "
+                                       f"{torch.__version__}")]
+    if m.backend == "aoti":
+        out = []
+        if tc.get("torch") != torch.__version__:
+            return [Check("backend", False, f"aoti graphs were compiled against torch {tc.get('torch')}, this host "
+                                            f"has {torch.__version__}; install torch=={tc.get('torch')} or rebuild "
+                                            "the bundle here", BACKEND)]
+        out.append(Check("backend", True, f"aoti, torch {torch.__version__}"))
+        target = tc.get("aoti_target", "cpu:DEFAULT")
+        kind, _, isa = target.partition(":")
+        if kind == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            ok = n >= m.tp_degree
+            out.append(Check("device", ok, f"{target}: {n} CUDA device(s) for tp {m.tp_degree}" if ok else
+                             f"aoti graphs were compiled for {target}; this host has {n} CUDA device(s), the bundle "
+                             f"needs {m.tp_degree}; use a GPU host or rebuild with device: cpu", DEVICE))
+        else:
+            host = torch.backends.cpu.get_cpu_capability()
+            ok = CPU_ISA_RANK.get(host, 0) >= CPU_ISA_RANK.get(isa, 0)
+            out.append(Check("device", ok, f"compiled for {isa} CPUs, host supports {host}" if ok else
+                             f"aoti graphs were compiled for {isa} CPUs, this host supports {host}; rebuild the "
+                             "bundle on (or for) this host", DEVICE))
+        return out
+    if m.backend == "neuron":
+        from .neuron import NeuronHostError, check_host
+
+        try:
+            check_host(m, environ=environ)
+        except NeuronHostError as e:
+            msg = str(e)
+            code = BACKEND if ("not installed" in msg or "compiled with" in msg) else DEVICE
+            return [Check("backend", False, msg, code)]
+        return [Check("backend", True, f"neuron SDK {tc.get('neuronx_cc')} matches, NeuronCores available")]
+    return [Check("backend", False, f"backend {m.backend!r} cannot be served by this runtime "
+                                    "(export, aoti, neuron)", BACKEND)]
+
+
+def parallel_check(m: Manifest, ranks: int | None, environ: dict) -> Check:
+    tp = m.tp_degree
+    if ranks is None and environ.get("WORLD_SIZE"):
+        ranks = int(environ["WORLD_SIZE"])
+    if ranks is not None and ranks != tp:
+        run = "as a single process" if tp == 1 else f"with torchrun --nproc-per-node {tp}"
+        return Check("parallel", False, f"bundle built for tp_degree {tp}, the deployment has {ranks} rank(s); "
+                                        f"run it {run} or rebuild with parallel.tp_degree: {ranks}", DEVICE)
+    hint = "one process" if tp == 1 else f"torchrun --nproc-per-node {tp}"
+    return Check("parallel", True, f"tp_degree {tp}: run as {hint}")

@@ -1,0 +1,94 @@
+"""Backend aoti: AOTInductor packages (native code), weights bound from the bundle at load, one package
+per graph for every rank, TP collectives compiled in and run under gloo (torchrun). Greedy output ==
+the export bundle == transformers' greedy generate of the target."""
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from test_tp import torchrun
+
+PROMPT = "Once upon a time, in a land far away"
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from eagle3_build.tiny import make_tiny_pair
+
+    root = tmp_path_factory.mktemp("aoti")
+    recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)
+    text = recipe.read_text().replace("prefill: [64, 128]", "prefill: [64]")  # 6 graphs per bundle
+    assert "prefill: [64]" in text
+    recipe.write_text(text)
+    hf_ref = {}
+    return {"root": root, "recipe": recipe, "ref": hf_ref}
+
+
+def build(world, backend: str, tp: int) -> Path:
+    out = world["root"] / f"{backend}-tp{tp}"
+    if not out.exists():
+        recipe = world["recipe"]
+        if tp != 1:
+            recipe = recipe.with_name(f"recipe-tp{tp}.yaml")
+            recipe.write_text(world["recipe"].read_text().replace("backend: export",
+                                                                  f"parallel: {{tp_degree: {tp}}}\n    backend: export"))
+        r = run_cli("eagle3-build", "compile", str(recipe), "--backend", backend, "--out", str(out), "--jobs", "2",
+                    timeout=1500)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out
+
+
+def reference(world, ids: list[int]) -> list[int]:
+    key = tuple(ids)
+    if key not in world["ref"]:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(world["recipe"].parent / "target", dtype=torch.float32)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        world["ref"][key] = out[0, len(ids):].tolist()
+    return world["ref"][key]
+
+
+def generate(bundle: Path, tp: int = 1) -> dict:
+    args = [str(bundle), "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"]
+    r = run_cli("eagle3-run", *args) if tp == 1 else torchrun(tp, "-m", "eagle3_runtime.cli", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_aoti_tp1_decodes_like_export_and_transformers(world):
+    aoti = build(world, "aoti", 1)
+    m = json.loads((aoti / "manifest.json").read_text())
+    assert m["backend"] == "aoti" and len(m["graphs"]) == 6
+    assert m["toolchain"]["aoti_target"].startswith("cpu:")
+    for g in m["graphs"]:  # native code in every package, no weights inside
+        with zipfile.ZipFile(aoti / g["file"]["path"]) as z:
+            names = z.namelist()
+        assert any(n.endswith(".so") for n in names), names
+        assert g["file"]["size"] < 20e6
+    got = generate(aoti)
+    assert got["token_ids"] == reference(world, got["prompt_token_ids"])
+    assert got["spec_decoding"]["num_accepted_tokens"] > 0
+    exp = generate(build(world, "export", 1))
+    assert exp["token_ids"] == got["token_ids"]
+
+
+def test_aoti_tp2_under_torchrun(world):
+    aoti = build(world, "aoti", 2)
+    m = json.loads((aoti / "manifest.json").read_text())
+    assert m["tp_degree"] == 2 and len(m["models"]["target"]["weight_files"]) == 2
+    got = generate(aoti, tp=2)
+    assert got["token_ids"] == reference(world, got["prompt_token_ids"])
+
+
+def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):
+    from eagle3_runtime.bundle import Bundle, BundleError
+
+    aoti = build(world, "aoti", 1)
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    with pytest.raises(BundleError, match="compiled against torch"):
+        Bundle(aoti)
