@@ -58,6 +58,9 @@ def compile_cmd(
                                         help="compile only share I of N of the graphs into the cache; no bundle"),
     require_cached: bool = typer.Option(False, "--require-cached",
                                         help="assemble from cache hits only: a miss is an error, never a compile"),
+    verify: bool = typer.Option(True, "--verify/--no-verify",
+                                help="after building, run `eagle3-build verify` on the bundle (the recipe's "
+                                     "verify settings); a failure exits 1"),
 ):
     """Build every pair of RECIPE into a bundle (graphs through the compile cache)."""
     from .backends import preflight
@@ -103,6 +106,8 @@ def compile_cmd(
             emit({"event": "built", "pair": p.name, "bundle": str(dest), "digest": manifest.digest,
                   "graphs": len(manifest.graphs), "compiled": b["compiled"], "cached": b["cached"], "failed": 0,
                   "seconds": round(secs, 2), "bytes": size})
+            if verify and not _verify_built(p, dest, as_json):
+                failed_any = True
             continue
         t = Table(title=f"built {dest}", title_justify="left")
         for c in ("graphs", "compiled", "cached", "failed", "time", "bundle size", "digest"):
@@ -112,8 +117,23 @@ def compile_cmd(
         console.print(t)
         for note in manifest.notes:
             console.print(f"  note: {note}", highlight=False)
+        if verify and not _verify_built(p, dest, as_json):
+            failed_any = True
     if failed_any:
         raise typer.Exit(1)
+
+
+def _verify_built(p, dest: Path, as_json: bool) -> bool:
+    from .progress import emit
+    from .verify import run_verify
+
+    ok = run_verify(dest, console, pair=p)
+    if as_json:
+        emit({"event": "verify", "pair": p.name, "bundle": str(dest), "passed": ok})
+    if not ok:
+        console.print(f"[bold red]verify failed[/] for {dest}: the bundle was written but did not pass "
+                      f"(see above); do not deploy it — `eagle3-build verify {dest}` re-runs the check", highlight=False)
+    return ok
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

@@ -151,6 +151,7 @@ class Generation:
     stats: SpecStats
     seconds: float
     target_passes: int
+    ttft: float | None = None  # s from the call to the first token (the prefill's), same clock as `seconds`
 
 
 class Engine:
@@ -263,8 +264,9 @@ class Engine:
         finally:
             self._on_finish = None
         seq = holder[0]
+        ttft = seq.first_token_time - t0 if seq.first_token_time is not None else None
         return Generation(list(prompt_ids), seq.generated, seq.text, seq.finish_reason, seq.stats,
-                          time.perf_counter() - t0, self.target_passes - passes0)
+                          time.perf_counter() - t0, self.target_passes - passes0, ttft)
 
     _on_finish: Callable[[Sequence], None] | None = None
 

@@ -15,7 +15,7 @@ from conftest import run_cli
 
 
 def compile_json(recipe: Path, out: Path, cache: Path, *extra: str, env: dict | None = None):
-    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out), "--json", *extra,
+    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out), "--json", "--no-verify", *extra,
                 env={"EAGLE3_BUILD_CACHE": str(cache), **(env or {})})
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     return r, events

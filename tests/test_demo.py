@@ -121,15 +121,16 @@ def test_training_form_equals_runtime_draft():
                     _, hidden = DraftStep(rt)(kv, rank, hidden, tokens[:, i + 2 + j], torch.tensor([i + 1 + j]))
 
 
-def test_demo_recipe_plans():
-    r = load_recipe(RECIPE) if (REPO / "artifacts" / "smollm2-135m-instruct").exists() else None
-    if r is None:  # the target is fetched by `make demo-smollm2`; the plan itself needs no checkpoint
-        proc = run_cli("eagle3-build", "plan", str(RECIPE), "--json")
-        assert proc.returncode == 2 and "fetch" not in proc.stdout  # a missing target is refused by path
-        assert "smollm2-135m-instruct" in proc.stdout + proc.stderr
+def test_demo_recipe():
+    from eagle3_build.recipe import RecipeError
+
+    if not (REPO / "artifacts" / "smollm2-135m-instruct").exists():  # written by fetch-demo-target
+        with pytest.raises(RecipeError, match="smollm2-135m-instruct"):
+            load_recipe(RECIPE)
         return
-    (p,) = r.pairs
+    (p,) = load_recipe(RECIPE).pairs
     assert p.dtype == "bfloat16" and p.speculation.num_speculative_tokens == 3 and p.parallel.tp_degree == 1
+    assert p.serving.max_num_seqs == 2 and p.buckets.batch == [1, 2]
     assert Path(p.draft.path) == DRAFT_DIR
 
 

@@ -28,7 +28,7 @@ def test_hf_sources_resolve_and_record_revision(tmp_path):
                       .replace("draft: ./draft", "draft: hf://tiny-org/tiny-draft"))
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "bundle"
-    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out), env=env)
+    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out), "--no-verify", env=env)
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "manifest.json").read_text())
     assert m["sources"]["target"]["uri"] == "hf://tiny-org/tiny-target@v1"
@@ -39,7 +39,7 @@ def test_hf_sources_resolve_and_record_revision(tmp_path):
     # a repo that is not in the cache (and no network): exit 2, one clear line, nothing written
     recipe.write_text(recipe.read_text().replace("tiny-org/tiny-draft", "tiny-org/missing"))
     out2 = tmp_path / "bundle2"
-    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out2), env=env)
+    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out2), "--no-verify", env=env)
     assert r.returncode == 2
     assert "hf://tiny-org/missing" in r.stderr and "Traceback" not in r.stderr
     assert not out2.exists()
@@ -59,7 +59,7 @@ def test_gguf_target_lossless(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "target: ./target.gguf" in (pair / "recipe.yaml").read_text()
     out = tmp_path / "bundle"
-    r = run_cli("eagle3-build", "compile", str(pair / "recipe.yaml"), "--out", str(out))
+    r = run_cli("eagle3-build", "compile", str(pair / "recipe.yaml"), "--out", str(out), "--no-verify")
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "manifest.json").read_text())
     assert m["sources"]["target"]["kind"] == "gguf" and m["sources"]["target"]["gguf_file"] == "target.gguf"

@@ -64,7 +64,7 @@ def role_outputs(bundle: Path, tp: int, out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_padding_parity_and_greedy(tp_world, tp, padded):
     world = tp_world
     if world["ref"] is None:

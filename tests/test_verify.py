@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,7 @@ def test_near_tie_tolerance():
     from eagle3_build.verify import (
         Acceptance,
         VerifyReport,
+        _check_continuation,
         _compare,
         _Ref,
         near_tie_tolerance,
@@ -236,17 +238,36 @@ def test_near_tie_tolerance():
     assert short.first_mismatch == 2 and not short.ok and short.gap is None
     assert near_tie_tolerance("bfloat16", -20.0) == pytest.approx(1.0)
     assert near_tie_tolerance("float32", 0.1) == pytest.approx(1e-4)
-    # more than half the prompts parting at near-ties is systematic when both sides share a dtype
-    report = VerifyReport(bundle="b", reference="r", dtype="bfloat16", reference_dtype="bfloat16",
+    # past a near-tie the bundle's own continuation is checked with the reference teacher-forced
+    class Teacher:  # a stand-in reference model for prompt [0] + generated [1, 5, x]
+        def __init__(self, rows):
+            self.rows = rows
+
+        def __call__(self, ids):
+            return types.SimpleNamespace(logits=torch.cat([self.rows, torch.zeros(1, 8)])[None])  # row k -> token k+1
+
+    rows = torch.zeros(3, 8)
+    rows[:, 1] = 10.0
+    rows[2, 3] = 10.0 - 5e-4  # token 3 is a near-tie at step 2 too
+    tie3 = _compare("p", [0], ref, [1, 5, 3], "float32")
+    _check_continuation(Teacher(rows), tie3, "float32")
+    assert tie3.ok and tie3.near_tie_flips == 2 and tie3.compared == 3 and tie3.later_mismatch is None
+    tie4 = _compare("p", [0], ref, [1, 5, 4], "float32")
+    _check_continuation(Teacher(rows), tie4, "float32")
+    assert not tie4.ok and tie4.later_mismatch == 2 and tie4.later_gap == pytest.approx(10.0) and tie4.compared == 2
+    # more than half the prompts parting at near-ties is systematic when both sides run float32
+    report = VerifyReport(bundle="b", reference="r", dtype="float32", reference_dtype="float32",
                           num_speculative_tokens=3, max_tokens=3, min_acceptance_length=None,
                           prompts=[tie, tie, tie, _compare("p", [0], ref, [1, 1, 1], "float32")],
                           acceptance=Acceptance(3))
     assert not report.lossless_ok and "near-ties" in report.failures()[0]
     report.prompts.append(short)
     assert "the reference generated 3 tokens, the bundle 2" in report.failures()[0]
+    report.prompts[-1] = tie4
+    assert "past it the bundle picks, at generated token 2" in report.failures()[0]
     json.dumps(report.to_dict(), allow_nan=False)
     report.prompts.pop()
-    report.reference_dtype = "float32"  # a bf16 bundle against a float32 reference flips often
+    report.dtype = report.reference_dtype = "bfloat16"  # bf16 logits tie at one ulp often: no count
     assert report.lossless_ok and report.passed
 
 
@@ -348,3 +369,20 @@ def test_run_verify_skips_what_it_cannot_run(pairs, tmp_path):
         buf = io.StringIO()
         assert run_verify(b, Console(file=buf, width=200)) is True
         assert "skipped" in buf.getvalue() and words in buf.getvalue()
+
+
+def test_compile_runs_verify_unless_told_not_to(pairs, tmp_path):
+    """`compile` verifies what it built: the intact pair exits 0 with the acceptance block, a broken
+    draft exits 1 (the bundle is written, flagged as not to be deployed); --no-verify skips it."""
+    ok = run_cli("eagle3-build", "compile", str(pairs.write("intact")), "--out", str(tmp_path / "ok"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    text = " ".join(ok.stderr.split())
+    assert "acceptance" in text.lower() and "verify failed" not in text
+    bad = pairs.write("fc_zero")
+    r = run_cli("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--json")
+    assert r.returncode == 1
+    events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert {"event": "verify", "pair": "tiny-fc_zero", "bundle": str(tmp_path / "bad"), "passed": False} in events
+    assert "verify failed" in r.stderr and "fc" in r.stderr
+    r = run_cli("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--no-verify")
+    assert r.returncode == 0

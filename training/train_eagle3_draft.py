@@ -25,8 +25,10 @@ What it does (every step seeded; see training/README.md for the numbers of the c
    diagonal): exactly the draft KV cache the runtime has when it runs its j-th recurrent draft step.
    Loss: cross-entropy over the draft vocab on response tokens, step j weighted 0.8^j; positions whose
    target token is outside the draft vocab are left out of the loss (they count as misses in eval).
-   The embedding is the target's (frozen, not saved: the build binds the target's embed_tokens);
-   lm_head and the final norm start from the target's (tied) embedding rows / final norm.
+   The embedding is the target's (frozen, not saved: the build binds the target's embed_tokens); the
+   lm_head starts from the target's (tied) output embedding rows of the draft vocab and the final norm
+   from the target's. Options tried (see training/README.md): --fc-norm (one RMSNorm per aux chunk,
+   initialised to whiten the target's massive activation channels) and --freeze-lm-head.
 6. Eval on the held-out set: for every response position, the number of leading draft steps that
    match the target's greedy continuation (K = 1..TTT) -> per-position acceptance and acceptance
    length, the quantities `eagle3-run --json` reports.
@@ -512,16 +514,19 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-batch", type=int, default=64)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ttt", type=int, default=3, help="training-time-test steps unrolled (= K evaluated)")
-    ap.add_argument("--epochs", type=float, default=6.0)
+    ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--max-train-minutes", type=float, default=None,
                     help="wall-time budget: the cosine schedule runs over max(step / steps, elapsed / budget), "
                          "so training ends with a decayed learning rate however busy the machine is")
     ap.add_argument("--autocast", choices=["auto", "on", "off"], default="auto",
                     help="bf16 autocast for the draft (auto: measured on the first batches)")
-    ap.add_argument("--no-fc-norm", action="store_true", help="feed raw aux states to fc (no per-chunk RMSNorm)")
+    ap.add_argument("--fc-norm", action="store_true",
+                    help="per-chunk RMSNorm before fc (speculators fc_norm), initialised to whiten the aux channels")
+    ap.add_argument("--freeze-lm-head", action="store_true",
+                    help="keep the draft lm_head at the target's embedding rows (default: trained from there)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on the shared 2-core dev machines, 2 threads ran batched "
                          "generation 10x slower than 1 once other jobs competed for the cores)")
@@ -569,11 +574,14 @@ def main(argv=None) -> int:
     ids = torch.arange(args.draft_vocab) + d2t
     t2d_index = torch.full((V,), -100, dtype=torch.long)
     t2d_index[ids] = torch.arange(args.draft_vocab)
-    log(f"draft vocab {args.draft_vocab}: covers {100 * coverage:.2f}% of the training response tokens")
+    held_cov = float(sum(int(t2d[x["tokens"][x["P"]:]].sum()) for x in heldout["seqs"]) /
+                     sum(len(x["tokens"]) - x["P"] for x in heldout["seqs"]))
+    log(f"draft vocab {args.draft_vocab}: covers {100 * coverage:.2f}% of the training response tokens, "
+        f"{100 * held_cov:.2f}% of the held-out ones")
 
     draft = TrainDraft(H, cfg_t["intermediate_size"], cfg_t["num_attention_heads"], cfg_t["num_key_value_heads"],
                        cfg_t["head_dim"], cfg_t["rms_norm_eps"], args.draft_vocab, rope_theta, embed,
-                       fc_norm=not args.no_fc_norm)
+                       fc_norm=args.fc_norm)
     draft.rope_theta = rope_theta
     with torch.no_grad():  # lm_head / final norm from the target's (tied) embedding rows and final norm
         draft.lm_head.weight.copy_(embed[ids])
@@ -581,6 +589,7 @@ def main(argv=None) -> int:
         if draft.fc_norm is not None:
             for n, w in zip(draft.fc_norm, fc_norm_init(train, H)):
                 n.weight.copy_(w)
+    draft.lm_head.weight.requires_grad_(not args.freeze_lm_head)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(args.seed)
@@ -658,8 +667,10 @@ def main(argv=None) -> int:
                  "train_response_tokens": meta["train"]["response_tokens"],
                  "train_total_tokens": meta["train"]["total_tokens"], "max_new_tokens": meta["max_new_tokens"],
                  "generation": "greedy, transformers bf16, chat template", "generate_s": meta["train"]["generate_s"]},
-        "draft_vocab": args.draft_vocab, "draft_vocab_coverage": round(coverage, 4), "ttt_steps": args.ttt,
+        "draft_vocab": args.draft_vocab, "draft_vocab_coverage": round(coverage, 4),
+        "draft_vocab_heldout_coverage": round(held_cov, 4), "ttt_steps": args.ttt,
         "steps": s, "epochs": round(s / steps_per_epoch, 2), "batch_tokens": args.batch_tokens, "lr": args.lr,
+        "fc_norm": draft.fc_norm is not None, "lm_head": "frozen (target rows)" if args.freeze_lm_head else "trained",
         "bf16_autocast": bool(autocast), "train_s": round(train_s, 1), "heldout_eval": res,
     }
     save_speculators(draft, d2t, t2d, cfg_t, out, info)
