@@ -65,13 +65,19 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------------------- recipe / build
 
-def load_pair(recipe: Path, name: str | None, k: int, backend: str):
-    from eagle3_build.recipe import Speculation, load_recipe, select_pair
+def load_pair(recipe: Path, name: str | None, k: int | None, backend: str, buckets: dict | None = None):
+    """The recipe's pair with K (None: the recipe's), the backend and optionally the buckets overridden."""
+    from eagle3_build.recipe import Buckets, Speculation, load_recipe, select_pair
 
     pairs = select_pair(load_recipe(recipe), name)
     if len(pairs) != 1:
         sys.exit(f"{recipe}: {len(pairs)} pairs; choose one with --pair NAME")
-    return pairs[0].model_copy(update={"speculation": Speculation(num_speculative_tokens=k), "backend": backend})
+    update: dict = {"backend": backend}
+    if k is not None:
+        update["speculation"] = Speculation(num_speculative_tokens=k)
+    if buckets is not None:
+        update["buckets"] = Buckets(**buckets)
+    return pairs[0].model_copy(update=update)
 
 
 def build_k(pair, out: Path, cache_dir: Path | None, jobs: int | None) -> dict:
@@ -254,13 +260,18 @@ def cold_prebuilt(bundle: Path, prompt: str, chat: bool, runs: int) -> dict:
 
 
 def cold_compile(recipe: Path, pair: str | None, k: int, backend: str, prompt: str, chat: bool, jobs: int | None,
-                 work: Path, runs: int) -> dict:
-    """Fresh process: build the bundle with an empty compile cache, then load it and produce one token."""
+                 work: Path, runs: int, keep_cache: Path | None = None) -> dict:
+    """Fresh process: build the bundle with an empty compile cache, then load it and produce one token.
+    keep_cache: use this (new or empty) directory as the empty cache and keep it afterwards (one run)."""
+    if keep_cache is not None:
+        if keep_cache.exists() and any(keep_cache.iterdir()):
+            sys.exit(f"--compile-cache {keep_cache}: not empty; the compile-then-load run needs an empty cache")
+        runs = 1
     results = []
     for i in range(runs):
         tmp = Path(tempfile.mkdtemp(prefix="cold-compile-", dir=work))
         try:
-            cache = tmp / "cache"
+            cache = keep_cache or tmp / "cache"
             env = dict(os.environ, EAGLE3_BUILD_CACHE=str(cache))
             cmd = [sys.executable, str(Path(__file__).resolve()), str(recipe), "--k", str(k), "--backend", backend,
                    "--cold-child", str(tmp / "bundle"), "--cold-prompt", prompt] + (["--pair", pair] if pair else []) \
@@ -276,9 +287,11 @@ def cold_compile(recipe: Path, pair: str | None, k: int, backend: str, prompt: s
             log(f"  compile-then-load run {i + 1}: {wall:.1f}s ({child['compiled']} graphs compiled)")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return {"runs": results, "median_s": round(statistics.median(r["wall_s"] for r in results), 2),
-            "command": "EAGLE3_BUILD_CACHE=<new empty dir> python benchmarks/spec_report.py RECIPE --k K "
-                       "--cold-child OUT (build_bundle, then eagle3_runtime.cli OUT --max-tokens 1)"}
+    return {"k": k, "runs": results, "median_s": round(statistics.median(r["wall_s"] for r in results), 2),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "command": f"EAGLE3_BUILD_CACHE=<new empty dir> python benchmarks/spec_report.py {recipe} --k {k} "
+                       f"--backend {backend} --cold-child OUT (build_bundle, then eagle3_runtime.cli OUT --max-tokens 1"
+                       + (" --chat" if chat else "") + ")"}
 
 
 def cold_child(args) -> int:
@@ -312,42 +325,53 @@ def machine() -> dict:
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
+def _goal(value: float, key: str) -> str:
+    g = GOALS[key]
+    return f"goal >= {g}x: {'met' if value >= g else 'NOT met'}"
+
+
 def render_table(res: dict) -> str:
     lines = []
-    d = res["decode"]
-    lines.append(f"decode, greedy, 1 thread, {res['prompts']['count']} prompts, max_tokens {res['prompts']['max_tokens']}"
-                 f" ({res['bundle']['backend']}, {res['bundle']['dtype']})")
-    lines.append(f"{'K':>3} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8} {'spec TPOT ms':>13} "
-                 f"{'plain TPOT ms':>14} {'TTFT ms':>8} {'accept len':>11}  per-position acceptance")
-    for k, v in d.items():
-        a = v["acceptance"]
-        lines.append(f"{k:>3} {v['spec']['decode_tok_s']:>11.1f} {v['plain']['decode_tok_s']:>12.1f} "
-                     f"{v['speedup_decode']:>7.2f}x {v['spec']['tpot_ms_median']:>13.2f} "
-                     f"{v['plain']['tpot_ms_median']:>14.2f} {v['spec']['ttft_ms_median']:>8.1f} "
-                     f"{a['mean_acceptance_length']:>11.2f}  "
-                     + ", ".join(f"{x:.3f}" for x in a["per_position_acceptance_rate"]))
+    s = res["summary"]
+    b, pr = res["bundle"], res["prompts"]
+    if "decode" in res:
+        lines.append(f"decode, greedy, 1 thread, {pr['count']} prompts, max_tokens {pr['max_tokens']} "
+                     f"({b['backend']}, {b['dtype']}); tok/s = decode tokens/s, TPOT median over prompts")
+        lines.append(f"{'K':>3} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8} {'spec TPOT ms':>13} "
+                     f"{'plain TPOT ms':>14} {'TTFT ms':>8} {'accept len':>11} {'spec==plain':>12}  "
+                     "per-position acceptance")
+        for k, v in res["decode"].items():
+            a = v["acceptance"]
+            lines.append(f"{k:>3} {v['spec']['decode_tok_s']:>11.1f} {v['plain']['decode_tok_s']:>12.1f} "
+                         f"{v['speedup_decode']:>7.2f}x {v['spec']['tpot_ms_median']:>13.2f} "
+                         f"{v['plain']['tpot_ms_median']:>14.2f} {v['spec']['ttft_ms_median']:>8.1f} "
+                         f"{a['mean_acceptance_length']:>11.2f} {v['spec_equals_plain']:>12}  "
+                         + ", ".join(f"{x:.3f}" for x in a["per_position_acceptance_rate"]))
     for t in res.get("transformers", {}).values():
         lines.append(f"transformers eager {t['dtype']:<9}: {t['decode_tok_s']:.1f} tok/s decode, TPOT "
-                     f"{t['tpot_ms_median']:.2f} ms, TTFT {t['ttft_ms_median']:.1f} ms, "
-                     f"same tokens as the runtime: {t['same_as_runtime']}")
-    s = res["summary"]
+                     f"{t['tpot_ms_median']:.2f} ms, TTFT {t['ttft_ms_median']:.1f} ms"
+                     + (f", same tokens as the runtime: {t['same_as_runtime']}" if "same_as_runtime" in t else ""))
     lines.append("")
-    lines.append(f"speculation vs none at best K={s['best_k']}: {s['spec_vs_plain']:.2f}x "
-                 f"(goal >= {GOALS['spec_vs_plain']}x: {'met' if s['spec_vs_plain'] >= GOALS['spec_vs_plain'] else 'NOT met'})")
-    for key, label in (("runtime_vs_transformers", "runtime (best K) vs transformers eager, fastest dtype"),
-                       ("runtime_vs_transformers_same_dtype", "runtime (best K) vs transformers eager, bundle dtype")):
+    if "spec_vs_plain" in s:
+        lines.append(f"speculation vs none at best K={s['best_k']}: {s['spec_vs_plain']:.2f}x "
+                     f"({s['spec_decode_tok_s']:.1f} vs {s['plain_decode_tok_s']:.1f} tok/s; "
+                     f"{_goal(s['spec_vs_plain'], 'spec_vs_plain')})")
+    fastest = s.get("transformers_fastest_dtype")
+    for key, label in (("runtime_vs_transformers", f"runtime (best K) vs transformers eager {fastest} (the faster)"),
+                       ("runtime_vs_transformers_same_dtype", f"runtime (best K) vs transformers eager {b['dtype']}")):
         if s.get(key) is not None:
-            g = GOALS["runtime_vs_transformers"]
-            lines.append(f"{label}: {s[key]:.2f}x (goal >= {g}x: {'met' if s[key] >= g else 'NOT met'})")
-    if "cold_start" in res:
-        c = res["cold_start"]
-        g = GOALS["cold_start_vs_compile"]
-        line = f"cold start (prebuilt bundle -> first token, fresh process): {c['prebuilt']['median_s']:.2f}s"
-        if "compile_then_load" in c:
-            r = s["cold_start_vs_compile"]
-            line += (f"; compile (empty cache) -> load -> first token: {c['compile_then_load']['median_s']:.1f}s; "
-                     f"{r:.1f}x (goal >= {g}x: {'met' if r >= g else 'NOT met'})")
-        lines.append(line)
+            lines.append(f"{label}: {s[key]:.2f}x ({_goal(s[key], 'runtime_vs_transformers')})")
+    c = res.get("cold_start", {})
+    if "prebuilt" in c:
+        lines.append(f"cold start, K={c['k']} (fresh process, prebuilt bundle -> first token): median "
+                     f"{c['prebuilt']['median_s']:.2f}s of {c['prebuilt']['runs_s']}")
+    if "compile_then_load" in c:
+        ctl = c["compile_then_load"]
+        lines.append(f"compile (empty cache) -> load -> first token, fresh process: {ctl['median_s']:.1f}s"
+                     + (f" (reused from {ctl['reused_from']})" if "reused_from" in ctl else ""))
+    if "cold_start_vs_compile" in s:
+        lines.append(f"cold start vs compile-then-load: {s['cold_start_vs_compile']:.1f}x "
+                     f"({_goal(s['cold_start_vs_compile'], 'cold_start_vs_compile')})")
     return "\n".join(lines)
 
 
@@ -359,7 +383,7 @@ def plot(res: dict, path: Path) -> None:
 
     d = res["decode"]
     ks = list(d)
-    has_cold = "cold_start" in res
+    has_cold = "prebuilt" in res.get("cold_start", {})
     fig, axes = plt.subplots(1, 3 if has_cold else 2, figsize=(17 if has_cold else 12, 5.2),
                              gridspec_kw={"width_ratios": [1.4, 1, 0.8] if has_cold else [1.4, 1]})
     spec_c, plain_c, hf_c = "#2a7ab0", "#b0b0b0", "#d9822b"
@@ -447,23 +471,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "artifacts" / "spec-report", help="bundles and scratch")
     ap.add_argument("--cache-dir", type=Path, default=None, help="compile cache (default $EAGLE3_BUILD_CACHE)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: the builder's)")
+    ap.add_argument("--phases", default="decode,transformers,cold,compile",
+                    help="what to measure (comma-separated): decode (runtime spec vs plain per K), transformers, "
+                         "cold (prebuilt bundle -> first token), compile (compile-then-load)")
+    ap.add_argument("--min-buckets", action="store_true",
+                    help="decode bundles for K other than --cold-k hold only the graphs the benchmark runs (the "
+                         "smallest prefill bucket that fits the prompts, batch 1): the same graphs (same cache "
+                         "keys) as the full bundle's, fewer to compile")
     ap.add_argument("--prompts", default="heldout", help="heldout | builtin | a prompt file")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (median per prompt)")
     ap.add_argument("--no-chat", action="store_true", help="raw prompts instead of the chat template")
     ap.add_argument("--hf-dtypes", default="auto",
-                    help="transformers eager dtypes, comma-separated; auto = the bundle's and float32; none = skip")
+                    help="transformers eager dtypes, comma-separated; auto = the bundle's and float32")
+    ap.add_argument("--cold-k", type=int, default=None, help="K of the cold-start bundle (default: the recipe's)")
     ap.add_argument("--cold-runs", type=int, default=3, help="fresh-process runs on the prebuilt bundle (median)")
-    ap.add_argument("--compile-runs", type=int, default=1, help="compile-then-load runs (0: skip; each is a full "
-                    "compile with an empty cache)")
-    ap.add_argument("--cold-k", type=int, default=None, help="K of the cold-start bundle (default: the best K)")
+    ap.add_argument("--compile-runs", type=int, default=1,
+                    help="compile-then-load runs (each a full compile of every graph with an empty cache)")
+    ap.add_argument("--compile-cache", type=Path, default=None,
+                    help="use this new/empty directory as the compile-then-load run's empty cache and keep it "
+                         "(pass it as --cache-dir later: the compile then also warmed the cache)")
+    ap.add_argument("--compile-result", type=Path, default=None,
+                    help="reuse the compile-then-load measurement of an earlier report JSON instead of compiling "
+                         "again (graphs do not depend on weights: valid across draft retrains of the same shapes)")
     ap.add_argument("--save-result", type=Path, default=None, help="write the JSON report here")
     ap.add_argument("--plot", type=Path, default=None, help="write the PNG figure here")
     ap.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cold-prompt", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.k = [int(k) for k in str(args.k).split(",") if k.strip()]
+    phases = {x.strip() for x in args.phases.split(",") if x.strip()}
+    unknown = phases - {"decode", "transformers", "cold", "compile"}
+    if unknown:
+        ap.error(f"--phases: unknown {sorted(unknown)}")
 
     import torch
 
@@ -473,91 +514,112 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"machine": machine(), "recipe": str(args.recipe), "k": args.k}
-
-    # 1. bundles
-    builds, pairs = {}, {}
-    for k in args.k:
-        pair = pairs[k] = load_pair(args.recipe, args.pair, k, args.backend)
-        log(f"building K={k} ({args.backend}) -> {args.out / f'k{k}'}")
-        builds[k] = build_k(pair, args.out / f"k{k}", args.cache_dir, args.jobs)
-        log(f"  K={k}: {builds[k]['compiled']} compiled, {builds[k]['cached']} cached, {builds[k]['wall_s']:.1f}s")
-    res["builds"] = {str(k): v for k, v in builds.items()}
-    first = pairs[args.k[0]]
-    res["bundle"] = {"name": first.name, "backend": args.backend, "dtype": first.dtype,
-                     "target": first.target.uri, "draft": first.draft.uri,
-                     "prefill_buckets": first.buckets.prefill, "batch_buckets": first.buckets.batch,
-                     "max_model_len": first.serving.max_model_len}
-
-    # 2. prompts, decode through the runtime
+    res: dict = {"machine": machine(), "recipe": str(args.recipe), "k": args.k, "phases": sorted(phases),
+                 "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None}
+    recipe_pair = load_pair(args.recipe, args.pair, None, args.backend)
+    cold_k = args.cold_k or recipe_pair.speculation.num_speculative_tokens
+    p = recipe_pair
+    res["bundle"] = {"name": p.name, "backend": args.backend, "dtype": p.dtype, "target": p.target.uri,
+                     "draft": p.draft.uri, "recipe_k": p.speculation.num_speculative_tokens,
+                     "prefill_buckets": p.buckets.prefill, "batch_buckets": p.buckets.batch,
+                     "max_model_len": p.serving.max_model_len, "max_num_seqs": p.serving.max_num_seqs}
     texts = prompt_texts(args.prompts, args.num_prompts)
-    bundle0 = args.out / f"k{args.k[0]}"
-    prompts, chat = encode_prompts(bundle0, texts, not args.no_chat)
-    res["prompts"] = {"source": args.prompts, "count": len(prompts), "chat_template": chat,
-                      "max_tokens": args.max_tokens, "repeats": args.repeats,
-                      "prompt_tokens": [len(p) for p in prompts], "texts": texts}
-    decode, runtime_tokens = {}, None
-    for k in args.k:
-        log(f"decoding K={k}: {len(prompts)} prompts x {args.max_tokens} tokens, speculative and plain")
-        m = measure_runtime(args.out / f"k{k}", prompts, args.max_tokens, args.repeats)
-        runtime_tokens = runtime_tokens or m["_tokens"]
-        del m["_tokens"]
-        decode[str(k)] = m
-        log(f"  K={k}: spec {m['spec']['decode_tok_s']:.1f} tok/s, plain {m['plain']['decode_tok_s']:.1f} tok/s, "
-            f"{m['speedup_decode']:.2f}x, acceptance length {m['acceptance']['mean_acceptance_length']:.2f}")
-    res["decode"] = decode
-    best_k = max(args.k, key=lambda k: decode[str(k)]["spec"]["decode_tok_s"])
-    best = decode[str(best_k)]
-    summary = {"best_k": best_k, "spec_vs_plain": best["speedup_decode"],
-               "spec_decode_tok_s": best["spec"]["decode_tok_s"],
-               "plain_decode_tok_s": best["plain"]["decode_tok_s"]}
+    chat = not args.no_chat
+    res["prompts"] = {"source": args.prompts, "count": len(texts), "max_tokens": args.max_tokens,
+                      "repeats": args.repeats, "texts": texts}
+    summary: dict = {}
+    builds: dict[str, dict] = {}
+    res["builds"] = builds
 
-    # 3. transformers eager
-    from eagle3_runtime.bundle import read_manifest
+    def build(k: int, buckets: dict | None = None) -> Path:
+        tag = f"k{k}" + ("-min" if buckets else "")
+        if tag not in builds:
+            log(f"building {tag} ({args.backend}) -> {args.out / tag}")
+            b = builds[tag] = build_k(load_pair(args.recipe, args.pair, k, args.backend, buckets), args.out / tag,
+                                      args.cache_dir, args.jobs)
+            log(f"  {tag}: {b['compiled']} compiled, {b['cached']} cached, {b['wall_s']:.1f}s")
+        return args.out / tag
 
-    manifest = read_manifest(bundle0)
-    if args.hf_dtypes != "none":
-        dtypes = ([first.dtype] + (["float32"] if first.dtype != "float32" else [])) if args.hf_dtypes == "auto" \
+    full = None
+    if phases & {"decode", "transformers", "cold"}:
+        full = build(cold_k)  # the recipe's bundle (K = --cold-k): prompts are encoded with its tokenizer
+        prompts, chat = encode_prompts(full, texts, chat)
+        res["prompts"].update({"chat_template": chat, "prompt_tokens": [len(x) for x in prompts]})
+
+    # decode through the runtime, per K
+    runtime_tokens = None
+    if "decode" in phases:
+        decode = res["decode"] = {}
+        fit = next((b for b in p.buckets.prefill if b >= max(len(x) for x in prompts)), p.buckets.prefill[-1])
+        for k in args.k:
+            small = args.min_buckets and k != cold_k
+            bdir = build(k, {"prefill": [fit], "batch": [1]} if small else None)
+            log(f"decoding K={k}: {len(prompts)} prompts x {args.max_tokens} tokens, speculative and plain")
+            m = measure_runtime(bdir, prompts, args.max_tokens, args.repeats)
+            runtime_tokens = runtime_tokens or m["_tokens"]
+            del m["_tokens"]
+            m["bundle"] = str(bdir)
+            decode[str(k)] = m
+            log(f"  K={k}: spec {m['spec']['decode_tok_s']:.1f} tok/s, plain {m['plain']['decode_tok_s']:.1f} tok/s,"
+                f" {m['speedup_decode']:.2f}x, acceptance length {m['acceptance']['mean_acceptance_length']:.2f}")
+        best_k = max(args.k, key=lambda k: decode[str(k)]["spec"]["decode_tok_s"])
+        best = decode[str(best_k)]
+        summary.update({"best_k": best_k, "spec_vs_plain": best["speedup_decode"],
+                        "spec_decode_tok_s": best["spec"]["decode_tok_s"],
+                        "plain_decode_tok_s": best["plain"]["decode_tok_s"]})
+
+    # transformers eager
+    if "transformers" in phases:
+        from eagle3_runtime.bundle import read_manifest
+
+        dtypes = ([p.dtype] + (["float32"] if p.dtype != "float32" else [])) if args.hf_dtypes == "auto" \
             else [x.strip() for x in args.hf_dtypes.split(",") if x.strip()]
-        target = first.target.path
-        if first.target.kind != "local" or not target:
-            log(f"transformers baseline skipped: target {first.target.uri} is not a local HF directory")
+        if p.target.kind != "local" or not p.target.path:
+            log(f"transformers baseline skipped: target {p.target.uri} is not a local HF directory")
         else:
-            res["transformers"] = {}
+            hf = res["transformers"] = {}
+            eos = list(read_manifest(full).eos_token_ids)
             for dt in dtypes:
                 log(f"transformers eager generate(), {dt}")
-                t, toks = measure_transformers(Path(target), dt, prompts, args.max_tokens,
-                                               list(manifest.eos_token_ids), args.repeats)
-                t["same_as_runtime"] = f"{sum(a == b for a, b in zip(toks, runtime_tokens))}/{len(prompts)}"
-                res["transformers"][dt] = t
+                t, toks = measure_transformers(Path(p.target.path), dt, prompts, args.max_tokens, eos, args.repeats)
+                if runtime_tokens is not None:
+                    t["same_as_runtime"] = f"{sum(a == b for a, b in zip(toks, runtime_tokens))}/{len(prompts)}"
+                hf[dt] = t
                 log(f"  {dt}: {t['decode_tok_s']:.1f} tok/s")
-            hf = res["transformers"]
             fastest = max(hf.values(), key=lambda t: t["decode_tok_s"])
-            summary["transformers_fastest_dtype"] = fastest["dtype"]
-            summary["transformers_decode_tok_s"] = fastest["decode_tok_s"]
-            summary["runtime_vs_transformers"] = round(best["spec"]["decode_tok_s"] / fastest["decode_tok_s"], 3)
-            summary["runtime_vs_transformers_e2e"] = round(best["spec"]["e2e_tok_s"] / fastest["e2e_tok_s"], 3)
-            if first.dtype in hf:
-                summary["runtime_vs_transformers_same_dtype"] = round(
-                    best["spec"]["decode_tok_s"] / hf[first.dtype]["decode_tok_s"], 3)
+            summary.update({"transformers_fastest_dtype": fastest["dtype"],
+                            "transformers_decode_tok_s": fastest["decode_tok_s"]})
+            if "decode" in phases:
+                best = res["decode"][str(summary["best_k"])]
+                summary["runtime_vs_transformers"] = round(best["spec"]["decode_tok_s"] / fastest["decode_tok_s"], 3)
+                summary["runtime_vs_transformers_e2e"] = round(best["spec"]["e2e_tok_s"] / fastest["e2e_tok_s"], 3)
+                if p.dtype in hf:
+                    summary["runtime_vs_transformers_same_dtype"] = round(
+                        best["spec"]["decode_tok_s"] / hf[p.dtype]["decode_tok_s"], 3)
 
-    # 4. cold start
-    if args.cold_runs > 0:
-        ck = args.cold_k or best_k
-        if ck not in args.k:
-            sys.exit(f"--cold-k {ck}: not among the built K values {args.k}")
-        text = texts[0]
-        log(f"cold start, K={ck}: {args.cold_runs} fresh eagle3-run processes on the prebuilt bundle")
-        cold = {"k": ck, "prompt": text, "prebuilt": cold_prebuilt(args.out / f"k{ck}", text, chat, args.cold_runs)}
+    # cold start
+    cold: dict = {"k": cold_k, "prompt": texts[0]}
+    if "cold" in phases:
+        log(f"cold start, K={cold_k}: {args.cold_runs} fresh eagle3-run processes on the prebuilt bundle")
+        cold["prebuilt"] = cold_prebuilt(full, texts[0], chat, args.cold_runs)
         log(f"  prebuilt: median {cold['prebuilt']['median_s']:.2f}s")
-        if args.compile_runs > 0:
-            log(f"cold start, K={ck}: compile with an empty cache, then load -> first token "
-                f"({args.compile_runs} run(s); the full compile of every graph)")
-            cold["compile_then_load"] = cold_compile(args.recipe, args.pair, ck, args.backend, text, chat, args.jobs,
-                                                     args.out, args.compile_runs)
-            summary["cold_start_vs_compile"] = round(cold["compile_then_load"]["median_s"]
-                                                     / cold["prebuilt"]["median_s"], 2)
+    if args.compile_result is not None:
+        prev = json.loads(args.compile_result.read_text())
+        ctl = prev.get("cold_start", {}).get("compile_then_load") or prev.get("compile_then_load")
+        if not ctl:
+            sys.exit(f"--compile-result {args.compile_result}: no compile_then_load measurement in it")
+        if ctl.get("k") not in (None, cold_k):
+            log(f"note: the reused compile-then-load measurement was taken at K={ctl['k']}, cold start at K={cold_k}")
+        cold["compile_then_load"] = {**ctl, "reused_from": str(args.compile_result)}
+    elif "compile" in phases:
+        log(f"cold start, K={cold_k}: compile with an empty cache, then load -> first token "
+            f"({args.compile_runs} run(s), each a full compile of every graph)")
+        cold["compile_then_load"] = cold_compile(args.recipe, args.pair, cold_k, args.backend, texts[0], chat,
+                                                 args.jobs, args.out, args.compile_runs, args.compile_cache)
+    if "prebuilt" in cold or "compile_then_load" in cold:
         res["cold_start"] = cold
+    if "prebuilt" in cold and "compile_then_load" in cold:
+        summary["cold_start_vs_compile"] = round(cold["compile_then_load"]["median_s"] / cold["prebuilt"]["median_s"], 2)
 
     summary["goals"] = {k: {"goal": g, "value": summary.get(k), "met": summary.get(k) is not None and summary[k] >= g}
                         for k, g in GOALS.items()}
@@ -565,12 +627,12 @@ def main(argv: list[str] | None = None) -> int:
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
 
-    print(render_table(res))
     if args.save_result:
         args.save_result.parent.mkdir(parents=True, exist_ok=True)
         args.save_result.write_text(json.dumps(res, indent=2) + "\n")
         log(f"wrote {args.save_result}")
-    if args.plot:
+    print(render_table(res))
+    if args.plot and "decode" in phases:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(res, args.plot)
         log(f"wrote {args.plot}")

@@ -129,7 +129,7 @@ def test_demo_recipe():
             load_recipe(RECIPE)
         return
     (p,) = load_recipe(RECIPE).pairs
-    assert p.dtype == "bfloat16" and p.speculation.num_speculative_tokens == 3 and p.parallel.tp_degree == 1
+    assert p.dtype == "float32" and p.speculation.num_speculative_tokens == 3 and p.parallel.tp_degree == 1
     assert p.serving.max_num_seqs == 2 and p.buckets.batch == [1, 2]
     assert Path(p.draft.path) == DRAFT_DIR
 
