@@ -159,8 +159,8 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
     t0 = time.perf_counter()
     engine = Engine(Bundle(bundle_dir))
     load_s = time.perf_counter() - t0
-    for spec in (True, False):  # warm-up: first calls of every graph used
-        engine.generate(prompts[0], min(16, max_tokens), speculative=spec)
+    for spec in (True, False):  # warm-up: a first call of every graph used (prefill, draft, verify, catch-up)
+        engine.generate(prompts[0], min(4, max_tokens), speculative=spec)
     runs = {True: [[] for _ in prompts], False: [[] for _ in prompts]}
     tokens: dict[bool, list[list[int]]] = {True: [], False: []}
     stats = SpecStats(engine.K)
@@ -224,7 +224,7 @@ def measure_transformers(target: Path, dtype: str, prompts: list[list[int]], max
         e2e = time.perf_counter() - t
         return out[0, len(ids):].tolist(), e2e, clock.times[1] - t
 
-    gen(prompts[0], min(16, max_tokens))  # warm-up
+    gen(prompts[0], min(4, max_tokens))  # warm-up
     per_prompt: list[list[dict]] = [[] for _ in prompts]
     tokens = []
     for r in range(repeats):

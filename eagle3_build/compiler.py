@@ -132,6 +132,12 @@ class Scheduler:
         self.running: dict[str, _Worker] = {}
         self.results: dict[str, GraphResult] = {}
         self.attempts: dict[str, int] = {}
+        self.staged: list[Path] = []  # every staging dir this build made (removed on abort)
+
+    def new_staging(self) -> Path:
+        d = self.cache.staging_dir()
+        self.staged.append(d)
+        return d
 
     def _event(self, job: GraphJob, status: str, **kw) -> None:
         self.report({"event": "graph", "graph": job.name, "role": job.role, "bucket": job.bucket,
@@ -159,7 +165,7 @@ class Scheduler:
     # ---------------------------------------------------------------- in-process (jobs == 1)
     def _compile_here(self, job: GraphJob) -> None:
         self.attempts[job.name] = 1
-        staged = self.cache.staging_dir()
+        staged = self.new_staging()
         out = staged / f"graph{self.backend.SUFFIX}"
         self._event(job, "compiling")
         t0 = time.perf_counter()
@@ -171,6 +177,9 @@ class Scheduler:
             shutil.rmtree(staged, ignore_errors=True)
             self._failed(job, f"{type(e).__name__}: {e}", traceback.format_exc(), time.perf_counter() - t0)
             return
+        except BaseException:  # Ctrl-C: leave nothing behind
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
         self._store(job, staged, info, time.perf_counter() - t0)
 
     def _store(self, job: GraphJob, staged: Path, info: dict, seconds: float) -> None:
@@ -246,6 +255,8 @@ class Scheduler:
                 w.proc.kill()
                 w.proc.wait()
             shutil.rmtree(w.dir, ignore_errors=True)
+        for d in self.staged:  # (entries already moved into the cache are gone from here)
+            shutil.rmtree(d, ignore_errors=True)
         self.running.clear()
         self.queue.clear()
 
@@ -274,25 +285,29 @@ class _Worker:
     def start(cls, job: GraphJob, s: Scheduler, attempt: int) -> _Worker:
         import torch
 
-        d = s.cache.staging_dir()
-        out = d / "out"
-        out.mkdir()
-        ep = job.ep
-        saved, ep.example_inputs = ep.example_inputs, None  # never serialise weight-sized examples
+        d = s.new_staging()
         try:
-            torch.export.save(ep, d / "input.pt2")
-        finally:
-            ep.example_inputs = saved
-        inject = injected(job.name)
-        if inject == "crash" and attempt > 1:
-            inject = None  # a transient fault: the retry succeeds
-        (d / "task.json").write_text(json.dumps({
-            "graph": job.name, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
-            "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject}))
-        log = d / "compile.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", str(d)], stdout=f,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            out = d / "out"
+            out.mkdir()
+            ep = job.ep
+            saved, ep.example_inputs = ep.example_inputs, None  # never serialise weight-sized examples
+            try:
+                torch.export.save(ep, d / "input.pt2")
+            finally:
+                ep.example_inputs = saved
+            inject = injected(job.name)
+            if inject == "crash" and attempt > 1:
+                inject = None  # a transient fault: the retry succeeds
+            (d / "task.json").write_text(json.dumps({
+                "graph": job.name, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
+                "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject}))
+            log = d / "compile.log"
+            with open(log, "wb") as f:
+                proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", str(d)], stdout=f,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except BaseException:  # (Ctrl-C while starting a worker) leave no staging directory behind
+            shutil.rmtree(d, ignore_errors=True)
+            raise
         return cls(job, proc, d, out, log)
 
 

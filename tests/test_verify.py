@@ -85,6 +85,7 @@ class Pairs:
     def write(self, fault: str):
         d = self.root / fault
         draft = d / "draft"
+        shutil.rmtree(draft, ignore_errors=True)  # (re)written from the intact draft
         shutil.copytree(self.root / "pair" / "draft", draft)
         fn = FAULTS[fault]
         if fn is not None:
