@@ -4,6 +4,15 @@
         [--num-prompts 8] [--max-tokens 128] [--out artifacts/spec-report]
         --save-result artifacts/spec-report/report.json --plot artifacts/spec-report/report.png
 
+    # the expensive part (a full compile with an empty cache) once, keeping that cache warm ...
+    python benchmarks/spec_report.py --phases compile --compile-cache artifacts/spec-report/aoti-cache \
+        --save-result artifacts/spec-report/compile-then-load.json
+    # ... then everything else from it (--min-buckets: K != the recipe's K builds only the graphs it runs)
+    python benchmarks/spec_report.py --cache-dir artifacts/spec-report/aoti-cache --min-buckets \
+        --compile-result artifacts/spec-report/compile-then-load.json --save-result R.json --plot R.png
+    # re-render a saved report (table + PNG), optionally with notes
+    python benchmarks/spec_report.py --from-result R.json --note "..." --save-result R.json --plot R.png
+
 What it measures (every contender greedy, 1 CPU thread, the same chat-templated prompts, the same
 max_tokens; see "Method" below for the details):
 
@@ -138,11 +147,11 @@ def summarize(runs: list[dict]) -> dict:
     return {
         "prompts": len(runs),
         "generated_tokens": sum(r["n"] for r in runs),
-        "decode_tok_s": round(dec_tokens / dec_time, 2) if dec_time > 0 else None,
+        "decode_tok_s": round(dec_tokens / dec_time, 3) if dec_time > 0 else None,
         "tpot_ms_median": round(1000 * statistics.median(tpots), 3) if tpots else None,
         "tpot_ms_mean": round(1000 * dec_time / dec_tokens, 3) if dec_tokens else None,
         "ttft_ms_median": round(1000 * statistics.median(r["ttft"] for r in runs), 2),
-        "e2e_tok_s": round(sum(r["n"] for r in runs) / sum(r["e2e"] for r in runs), 2),
+        "e2e_tok_s": round(sum(r["n"] for r in runs) / sum(r["e2e"] for r in runs), 3),
     }
 
 
@@ -325,6 +334,11 @@ def machine() -> dict:
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
+def _n(x: float) -> str:
+    """A rate or ratio with enough digits to be read whatever its size."""
+    return f"{x:.3f}" if abs(x) < 1 else f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
+
+
 def _goal(value: float, key: str) -> str:
     g = GOALS[key]
     return f"goal >= {g}x: {'met' if value >= g else 'NOT met'}"
@@ -342,25 +356,25 @@ def render_table(res: dict) -> str:
                      "per-position acceptance")
         for k, v in res["decode"].items():
             a = v["acceptance"]
-            lines.append(f"{k:>3} {v['spec']['decode_tok_s']:>11.1f} {v['plain']['decode_tok_s']:>12.1f} "
+            lines.append(f"{k:>3} {_n(v['spec']['decode_tok_s']):>11} {_n(v['plain']['decode_tok_s']):>12} "
                          f"{v['speedup_decode']:>7.2f}x {v['spec']['tpot_ms_median']:>13.2f} "
                          f"{v['plain']['tpot_ms_median']:>14.2f} {v['spec']['ttft_ms_median']:>8.1f} "
                          f"{a['mean_acceptance_length']:>11.2f} {v['spec_equals_plain']:>12}  "
                          + ", ".join(f"{x:.3f}" for x in a["per_position_acceptance_rate"]))
     for t in res.get("transformers", {}).values():
-        lines.append(f"transformers eager {t['dtype']:<9}: {t['decode_tok_s']:.1f} tok/s decode, TPOT "
+        lines.append(f"transformers eager {t['dtype']:<9}: {_n(t['decode_tok_s'])} tok/s decode, TPOT "
                      f"{t['tpot_ms_median']:.2f} ms, TTFT {t['ttft_ms_median']:.1f} ms"
                      + (f", same tokens as the runtime: {t['same_as_runtime']}" if "same_as_runtime" in t else ""))
     lines.append("")
     if "spec_vs_plain" in s:
         lines.append(f"speculation vs none at best K={s['best_k']}: {s['spec_vs_plain']:.2f}x "
-                     f"({s['spec_decode_tok_s']:.1f} vs {s['plain_decode_tok_s']:.1f} tok/s; "
+                     f"({_n(s['spec_decode_tok_s'])} vs {_n(s['plain_decode_tok_s'])} tok/s; "
                      f"{_goal(s['spec_vs_plain'], 'spec_vs_plain')})")
     fastest = s.get("transformers_fastest_dtype")
     for key, label in (("runtime_vs_transformers", f"runtime (best K) vs transformers eager {fastest} (the faster)"),
                        ("runtime_vs_transformers_same_dtype", f"runtime (best K) vs transformers eager {b['dtype']}")):
         if s.get(key) is not None:
-            lines.append(f"{label}: {s[key]:.2f}x ({_goal(s[key], 'runtime_vs_transformers')})")
+            lines.append(f"{label}: {_n(s[key])}x ({_goal(s[key], 'runtime_vs_transformers')})")
     c = res.get("cold_start", {})
     if "prebuilt" in c:
         lines.append(f"cold start, K={c['k']} (fresh process, prebuilt bundle -> first token): median "
@@ -372,6 +386,8 @@ def render_table(res: dict) -> str:
     if "cold_start_vs_compile" in s:
         lines.append(f"cold start vs compile-then-load: {s['cold_start_vs_compile']:.1f}x "
                      f"({_goal(s['cold_start_vs_compile'], 'cold_start_vs_compile')})")
+    for note in res.get("notes", []):
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
@@ -400,23 +416,25 @@ def plot(res: dict, path: Path) -> None:
     plain = [d[k]["plain"]["decode_tok_s"] for k in ks]
     ax.bar([i - w / 2 for i in x], spec, w, color=spec_c, label="eagle3 runtime, speculative")
     ax.bar([i + w / 2 for i in x], plain, w, color=plain_c, label="same bundle, no speculation")
+    top = max(spec + plain + [t["decode_tok_s"] for t in res.get("transformers", {}).values()])
     for i, k in enumerate(ks):
-        ax.text(i - w / 2, spec[i], f"{d[k]['speedup_decode']:.2f}x", ha="center", va="bottom", fontsize=10,
-                fontweight="bold")
-        ax.text(i + w / 2, plain[i], f"{plain[i]:.0f}", ha="center", va="bottom", fontsize=8, color="#555")
+        ax.text(i - w / 2, spec[i], _n(spec[i]), ha="center", va="bottom", fontsize=8, color="#1d4f73")
+        ax.text(i + w / 2, plain[i], _n(plain[i]), ha="center", va="bottom", fontsize=8, color="#555")
+        ax.text(i, max(spec[i], plain[i]) + 0.06 * top, f"{_n(d[k]['speedup_decode'])}x", ha="center",
+                va="bottom", fontsize=10, fontweight="bold")
     styles = ["--", ":"]
     for j, (name, t) in enumerate(res.get("transformers", {}).items()):
         ax.axhline(t["decode_tok_s"], color=hf_c, ls=styles[j % 2], lw=1.6,
-                   label=f"transformers eager generate(), {t['dtype']}: {t['decode_tok_s']:.0f} tok/s")
+                   label=f"transformers eager generate(), {t['dtype']}: {_n(t['decode_tok_s'])} tok/s")
     ax.set_xticks(list(x), [f"K={k}" for k in ks])
     ax.set_ylabel("decode tokens/s (1 CPU thread, greedy)")
     s = res["summary"]
     ax.set_title(f"Decode speed — best K={s['best_k']}: {s['spec_vs_plain']:.2f}x over no speculation "
                  f"{_mark(s['spec_vs_plain'], 'spec_vs_plain')}"
-                 + (f",\n{s['runtime_vs_transformers']:.1f}x over the faster transformers eager "
+                 + (f",\n{_n(s['runtime_vs_transformers'])}x the faster transformers eager "
                     f"{_mark(s['runtime_vs_transformers'], 'runtime_vs_transformers')}"
                     if s.get("runtime_vs_transformers") else ""), fontsize=10.5)
-    ax.set_ylim(0, max(spec + plain + [t["decode_tok_s"] for t in res.get("transformers", {}).values()]) * 1.12)
+    ax.set_ylim(0, top * 1.15)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8.5, frameon=False)
     ax.grid(axis="y", alpha=0.3)
 
@@ -467,7 +485,11 @@ def plot(res: dict, path: Path) -> None:
     fig.suptitle(f"EAGLE3 on {b['name']} — {b['backend']} backend, {b['dtype']}, {res['prompts']['count']} "
                  f"chat prompts × ≤{res['prompts']['max_tokens']} tokens, 1 thread — {res['machine']['cpu']}",
                  fontsize=11)
-    fig.tight_layout()
+    notes = res.get("notes", [])
+    if notes:
+        fig.text(0.01, 0.005, "\n".join(f"Note: {n}" for n in notes), fontsize=8.5, va="bottom", ha="left",
+                 wrap=True, color="#8a1c1c")
+    fig.tight_layout(rect=(0, 0.035 * (1 + sum(len(n) // 200 for n in notes)) * bool(notes), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -507,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-result", type=Path, default=None,
                     help="reuse the compile-then-load measurement of an earlier report JSON instead of compiling "
                          "again (graphs do not depend on weights: valid across draft retrains of the same shapes)")
+    ap.add_argument("--note", action="append", default=[], help="a note recorded in the JSON and under the plot")
+    ap.add_argument("--from-result", type=Path, default=None,
+                    help="measure nothing: re-render the table/plot of a saved report (plus any --note)")
     ap.add_argument("--save-result", type=Path, default=None, help="write the JSON report here")
     ap.add_argument("--plot", type=Path, default=None, help="write the PNG figure here")
     ap.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)
@@ -518,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--phases: unknown {sorted(unknown)}")
 
+    if args.from_result is not None:
+        res = json.loads(args.from_result.read_text())
+        res["notes"] = res.get("notes", []) + args.note
+        return _write(res, args)
+
     import torch
 
     torch.set_num_threads(1)
@@ -527,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     res: dict = {"machine": machine(), "recipe": str(args.recipe), "k": args.k, "phases": sorted(phases),
-                 "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None}
+                 "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None,
+                 "notes": list(args.note)}
     recipe_pair = load_pair(args.recipe, args.pair, None, args.backend)
     cold_k = args.cold_k or recipe_pair.speculation.num_speculative_tokens
     p = recipe_pair
@@ -638,13 +669,16 @@ def main(argv: list[str] | None = None) -> int:
     res["summary"] = summary
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return _write(res, args)
 
+
+def _write(res: dict, args) -> int:
     if args.save_result:
         args.save_result.parent.mkdir(parents=True, exist_ok=True)
         args.save_result.write_text(json.dumps(res, indent=2) + "\n")
         log(f"wrote {args.save_result}")
     print(render_table(res))
-    if args.plot and "decode" in phases:
+    if args.plot and "decode" in res:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(res, args.plot)
         log(f"wrote {args.plot}")
