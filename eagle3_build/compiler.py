@@ -133,6 +133,14 @@ class Scheduler:
         self.results: dict[str, GraphResult] = {}
         self.attempts: dict[str, int] = {}
         self.staged: list[Path] = []  # every staging dir this build made (removed on abort)
+        self.prepared = False
+
+    def prepare(self) -> None:
+        """Backend set-up shared by every compile of this build (before the first miss compiles)."""
+        if not self.prepared:
+            self.prepared = True
+            if hasattr(self.backend, "prepare"):
+                self.backend.prepare(self.cache.root)
 
     def new_staging(self) -> Path:
         d = self.cache.staging_dir()
@@ -164,6 +172,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- in-process (jobs == 1)
     def _compile_here(self, job: GraphJob) -> None:
+        self.prepare()
         self.attempts[job.name] = 1
         staged = self.new_staging()
         out = staged / f"graph{self.backend.SUFFIX}"
@@ -205,6 +214,7 @@ class Scheduler:
             del self.running[name]
             self._reap(w, rc)
         while self.queue and len(self.running) < self.jobs:
+            self.prepare()
             job = self.queue.pop(0)
             self.attempts[job.name] = self.attempts.get(job.name, 0) + 1
             self.running[job.name] = _Worker.start(job, self, self.attempts[job.name])
@@ -300,7 +310,7 @@ class _Worker:
                 inject = None  # a transient fault: the retry succeeds
             (d / "task.json").write_text(json.dumps({
                 "graph": job.name, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
-                "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject}))
+                "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject, "cache_root": str(s.cache.root)}))
             log = d / "compile.log"
             with open(log, "wb") as f:
                 proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", str(d)], stdout=f,
@@ -327,6 +337,8 @@ def worker_main(staging: Path) -> int:
 
         torch.set_num_threads(1)
         backend = get_backend(task["backend"], task["backend_options"])
+        if hasattr(backend, "prepare"):
+            backend.prepare(Path(task["cache_root"]))
         with tracing_process_group(task["tp"]):
             ep = torch.export.load(staging / "input.pt2")
             if task.get("inject"):

@@ -235,27 +235,27 @@ class TensorPlan:
         return {"pad": self.pad, "shard": self.shard}
 
 
+# GPT-OSS tensors by their last two name parts -> (pad, shard): sinks go with their q heads; the router
+# is replicated; experts are sharded on the intermediate dim (every rank holds every expert's slice)
+# and down's bias is row-parallel
+GPT_OSS_RULES: dict[str, tuple[str, str]] = {
+    "self_attn.sinks": ("none", "column"),
+    "router.weight": ("cols", "replicate"),
+    "router.bias": ("none", "replicate"),
+    "experts.gate_up_proj": ("expert_gate_up", "expert_gate_up"),
+    "experts.gate_up_proj_bias": ("expert_gate_up_bias", "expert_gate_up"),
+    "experts.down_proj": ("expert_down", "expert_row"),
+    "experts.down_proj_bias": ("expert_vec", "row_bias"),
+}
+
+
 def tensor_plan(model: str, name: str) -> TensorPlan:
     """The pad + shard rule of one canonical tensor name (target: Llama / GPT-OSS names without `model.`;
     draft: fc, input_norm, fc_norm.i, midlayer.*, norm, lm_head, d2t, embed_tokens)."""
     leaf = name.split(".")
     last = ".".join(leaf[-2:])
-    # GPT-OSS: sinks go with their q heads; the router is replicated; experts are sharded on the
-    # intermediate dim (every rank holds every expert's slice) and down's bias is row-parallel
-    if last == "self_attn.sinks":
-        return TensorPlan(name, "none", "column")
-    if last == "router.weight":
-        return TensorPlan(name, "cols", "replicate")
-    if last == "router.bias":
-        return TensorPlan(name, "none", "replicate")
-    if last == "experts.gate_up_proj":
-        return TensorPlan(name, "expert_gate_up", "expert_gate_up")
-    if last == "experts.gate_up_proj_bias":
-        return TensorPlan(name, "expert_gate_up_bias", "expert_gate_up")
-    if last == "experts.down_proj":
-        return TensorPlan(name, "expert_down", "expert_row")
-    if last == "experts.down_proj_bias":
-        return TensorPlan(name, "expert_vec", "row_bias")
+    if last in GPT_OSS_RULES:
+        return TensorPlan(name, *GPT_OSS_RULES[last])
     draft_attn_in = model == "draft" and name.startswith("midlayer.self_attn.")
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return TensorPlan(name, "cols", "vocab")

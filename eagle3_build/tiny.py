@@ -239,32 +239,41 @@ def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
     hidden = _check_hidden_size(hidden_size)
     g = torch.Generator().manual_seed(int(seed))
 
-    # ---- target ----
-    embed = _randn(g, VOCAB, hidden, std=_EMBED_STD)
-    ids, in_d, perm, lm_head = _vocab_structure(g, embed)
-
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     q_out, kv_out = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
     # weights that read the residual stream (fan-in = hidden) scale as 1/sqrt(hidden), so that the
     # structure (how much context perturbs the stream) does not depend on hidden_size; 1.0 at HIDDEN
     fan = math.sqrt(HIDDEN / hidden)
     std, ostd = _LAYER_STD * fan, _OUT_STD
-    for li in range(N_LAYERS):
+
+    def layer(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"self_attn.q_proj.weight": _randn(g, q_out, hidden, std=std),
+                "self_attn.k_proj.weight": _randn(g, kv_out, hidden, std=std),
+                "self_attn.v_proj.weight": _randn(g, kv_out, hidden, std=std),
+                "self_attn.o_proj.weight": _randn(g, hidden, q_out, std=ostd),
+                "mlp.gate_proj.weight": _randn(g, INTERMEDIATE, hidden, std=std),
+                "mlp.up_proj.weight": _randn(g, INTERMEDIATE, hidden, std=std),
+                "mlp.down_proj.weight": _randn(g, hidden, INTERMEDIATE, std=ostd)}
+
+    t, embed, (ids, in_d, perm) = _target_frame(g, hidden, N_LAYERS, layer)
+    d = _structured_draft(g, embed, perm, ids, in_d, hidden)
+    return {"perm": perm, "ids": ids, "target": t, "draft": d}
+
+
+def _target_frame(g: torch.Generator, hidden: int, n_layers: int, layer) -> tuple[dict, torch.Tensor, tuple]:
+    """The target state dict both twins share: embedding, vocab structure, ``layer(g)``'s weights per
+    layer (under ``model.layers.<i>.``) plus unit norms, final norm and lm_head, drawn in this order.
+    Returns (state dict, embedding, (ids, in_d, perm))."""
+    embed = _randn(g, VOCAB, hidden, std=_EMBED_STD)
+    ids, in_d, perm, lm_head = _vocab_structure(g, embed)
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
+    for li in range(n_layers):
         p = f"model.layers.{li}."
-        t[p + "self_attn.q_proj.weight"] = _randn(g, q_out, hidden, std=std)
-        t[p + "self_attn.k_proj.weight"] = _randn(g, kv_out, hidden, std=std)
-        t[p + "self_attn.v_proj.weight"] = _randn(g, kv_out, hidden, std=std)
-        t[p + "self_attn.o_proj.weight"] = _randn(g, hidden, q_out, std=ostd)
-        t[p + "mlp.gate_proj.weight"] = _randn(g, INTERMEDIATE, hidden, std=std)
-        t[p + "mlp.up_proj.weight"] = _randn(g, INTERMEDIATE, hidden, std=std)
-        t[p + "mlp.down_proj.weight"] = _randn(g, hidden, INTERMEDIATE, std=ostd)
+        t.update({p + k: v for k, v in layer(g).items()})
         t[p + "input_layernorm.weight"] = torch.ones(hidden)
         t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     t["model.norm.weight"] = torch.ones(hidden)
     t["lm_head.weight"] = lm_head
-
-    d = _structured_draft(g, embed, perm, ids, in_d, hidden)
-    return {"perm": perm, "ids": ids, "target": t, "draft": d}
+    return t, embed, (ids, in_d, perm)
 
 
 def _vocab_structure(g: torch.Generator, embed: torch.Tensor):
@@ -823,36 +832,31 @@ def gpt_oss_structure(seed: int = 0, *, hidden_size: int = GPT_OSS_HIDDEN) -> di
     hidden = int(hidden_size)
     inter = hidden
     g = torch.Generator().manual_seed(int(seed))
-    embed = _randn(g, VOCAB, hidden, std=_EMBED_STD)
-    ids, in_d, perm, lm_head = _vocab_structure(g, embed)
-
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     q_out, kv_out = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
     fan = math.sqrt(HIDDEN / hidden)
     std, E = _LAYER_STD * fan, GPT_OSS_EXPERTS
-    for li in range(GPT_OSS_LAYERS):
-        p = f"model.layers.{li}."
+
+    def layer(g: torch.Generator) -> dict[str, torch.Tensor]:
+        w = {}
         for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            t[p + f"self_attn.{name}.weight"] = _randn(g, rows, hidden, std=std)
-            t[p + f"self_attn.{name}.bias"] = _randn(g, rows, std=_GPT_OSS_BIAS_STD)
-        t[p + "self_attn.o_proj.weight"] = _randn(g, hidden, q_out, std=_GPT_OSS_OUT_STD)
-        t[p + "self_attn.o_proj.bias"] = _randn(g, hidden, std=_GPT_OSS_BIAS_STD)
-        t[p + "self_attn.sinks"] = _randn(g, N_HEADS, std=_GPT_OSS_SINK_STD)
-        t[p + "mlp.router.weight"] = _randn(g, E, hidden, std=_GPT_OSS_ROUTER_STD * fan / math.sqrt(HIDDEN))
-        t[p + "mlp.router.bias"] = _randn(g, E, std=_GPT_OSS_BIAS_STD)
+            w[f"self_attn.{name}.weight"] = _randn(g, rows, hidden, std=std)
+            w[f"self_attn.{name}.bias"] = _randn(g, rows, std=_GPT_OSS_BIAS_STD)
+        w["self_attn.o_proj.weight"] = _randn(g, hidden, q_out, std=_GPT_OSS_OUT_STD)
+        w["self_attn.o_proj.bias"] = _randn(g, hidden, std=_GPT_OSS_BIAS_STD)
+        w["self_attn.sinks"] = _randn(g, N_HEADS, std=_GPT_OSS_SINK_STD)
+        w["mlp.router.weight"] = _randn(g, E, hidden, std=_GPT_OSS_ROUTER_STD * fan / math.sqrt(HIDDEN))
+        w["mlp.router.bias"] = _randn(g, E, std=_GPT_OSS_BIAS_STD)
         gate_up = _randn(g, E, hidden, 2 * inter, std=std)
         down = _randn(g, E, inter, hidden, std=_GPT_OSS_DOWN_STD * fan)
         if hidden % 32 == 0:
             gate_up, down = _mxfp4_round(gate_up), _mxfp4_round(down)
-        t[p + "mlp.experts.gate_up_proj"] = gate_up
-        t[p + "mlp.experts.gate_up_proj_bias"] = _randn(g, E, 2 * inter, std=_GPT_OSS_BIAS_STD)
-        t[p + "mlp.experts.down_proj"] = down
-        t[p + "mlp.experts.down_proj_bias"] = _randn(g, E, hidden, std=_GPT_OSS_BIAS_STD)
-        t[p + "input_layernorm.weight"] = torch.ones(hidden)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-    t["model.norm.weight"] = torch.ones(hidden)
-    t["lm_head.weight"] = lm_head
+        w["mlp.experts.gate_up_proj"] = gate_up
+        w["mlp.experts.gate_up_proj_bias"] = _randn(g, E, 2 * inter, std=_GPT_OSS_BIAS_STD)
+        w["mlp.experts.down_proj"] = down
+        w["mlp.experts.down_proj_bias"] = _randn(g, E, hidden, std=_GPT_OSS_BIAS_STD)
+        return w
 
+    t, embed, (ids, in_d, perm) = _target_frame(g, hidden, GPT_OSS_LAYERS, layer)
     d = _structured_draft(g, embed, perm, ids, in_d, hidden)
     d["input_norm.weight"] = torch.ones(3 * hidden)  # norm_before_fc
     return {"perm": perm, "ids": ids, "target": t, "draft": d}

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from eagle3_runtime.engine import SpecStats
 
 from .errors import UserError
 
@@ -52,7 +53,6 @@ __all__ = [
     "BUILTIN_PROMPTS",
     "CAUSES",
     "NEAR_TIE_REL",
-    "Acceptance",
     "Diagnosis",
     "PromptResult",
     "VerifyError",
@@ -138,51 +138,6 @@ def _coarser(a: str, b: str) -> str:
 
 
 @dataclass
-class Acceptance:
-    """Speculative-decoding counters over the prompt set (vLLM's acceptance block)."""
-
-    k: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, stats) -> None:
-        """Add one Engine generation's SpecStats."""
-        if not self.accepted_per_position:
-            self.accepted_per_position = [0] * self.k
-        self.num_drafts += stats.num_drafts
-        self.num_draft_tokens += stats.num_draft_tokens
-        self.num_accepted_tokens += stats.num_accepted_tokens
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, stats.accepted_per_position)]
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def per_position(self) -> list[float]:
-        n = self.num_drafts
-        return [a / n if n else 0.0 for a in (self.accepted_per_position or [0] * self.k)]
-
-    def format(self) -> str:
-        pos = ", ".join(f"{r:.3f}" for r in self.per_position)
-        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
-                f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
-                f"Per-position acceptance rate: {pos}, Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%")
-
-    def to_dict(self) -> dict:
-        return {"num_speculative_tokens": self.k, "num_drafts": self.num_drafts,
-                "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
-                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
-                "per_position_acceptance_rate": self.per_position}
-
-
-@dataclass
 class PromptResult:
     """One prompt: the reference's and the bundle's greedy tokens and where they part."""
 
@@ -235,7 +190,7 @@ class VerifyReport:
     max_tokens: int
     min_acceptance_length: float | None
     prompts: list[PromptResult]
-    acceptance: Acceptance
+    acceptance: SpecStats  # the runtime's counters, summed over the prompt set
     diagnoses: list[Diagnosis] = field(default_factory=list)
     diagnosis_error: str | None = None
     seconds: float = 0.0
@@ -604,7 +559,7 @@ def verify_bundle(
     eos = list(manifest.eos_token_ids)
     tie_dtype = _coarser(manifest.dtype, ref_dtype)
 
-    acc = Acceptance(manifest.num_speculative_tokens)
+    acc = SpecStats(manifest.num_speculative_tokens)
     results: list[PromptResult] = []
     refs: list[_Ref] = []
     for i, (text, ids) in enumerate(zip(texts, encoded)):

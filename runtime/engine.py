@@ -65,6 +65,13 @@ class SpecStats:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
+    def add(self, other: "SpecStats") -> None:
+        """Fold another generation's counters (same K) into these: totals over a prompt set."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
@@ -78,7 +85,8 @@ class SpecStats:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
 
     def to_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+        return {"num_speculative_tokens": self.k, "num_drafts": self.num_drafts,
+                "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "per_position_acceptance_rate": self.per_position}

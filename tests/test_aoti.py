@@ -101,3 +101,27 @@ def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     with pytest.raises(BundleError, match="compiled against torch"):
         Bundle(aoti, rank=0)
+
+
+def test_inductor_isa_probe_is_memoised_per_host(world):
+    """Inductor's CPU ISA probe (~19 s per process: compile + dlopen a test program per ISA) ran once
+    for the build above and was memoised in the compile cache; a compile then skips it only when the
+    memo proved every ISA the CPU flags list (otherwise Inductor probes as usual)."""
+    import os
+
+    from eagle3_build.backends.aoti import AotiBackend, host_vec_isa
+
+    build(world, "aoti", 2)
+    root = Path(os.environ["EAGLE3_BUILD_CACHE"])
+    memos = list((root / "host").glob("vec-isa-*.json"))
+    assert len(memos) == 1, memos
+    memo = json.loads(memos[0].read_text())
+    assert memo["verified"] and memo["verified"] == memo["cpuinfo"], memo
+    assert host_vec_isa(root) == memo  # read back, not re-probed
+    b = AotiBackend({})
+    b.prepare(root)
+    assert b.vec_isa_ok is True
+    memos[0].write_text(json.dumps({**memo, "verified": memo["verified"][1:]}))  # the compiler lacks one ISA
+    b.prepare(root)
+    assert b.vec_isa_ok is None
+    memos[0].write_text(json.dumps(memo))

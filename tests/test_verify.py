@@ -217,8 +217,9 @@ def test_lossless_mismatch_is_located(pairs, tmp_path):
 
 def test_near_tie_tolerance():
     """A flip between two logits closer than the dtype's tolerance passes; a clear one does not."""
+    from eagle3_runtime.engine import SpecStats
+
     from eagle3_build.verify import (
-        Acceptance,
         VerifyReport,
         _check_continuation,
         _compare,
@@ -260,7 +261,7 @@ def test_near_tie_tolerance():
     report = VerifyReport(bundle="b", reference="r", dtype="float32", reference_dtype="float32",
                           num_speculative_tokens=3, max_tokens=3, min_acceptance_length=None,
                           prompts=[tie, tie, tie, _compare("p", [0], ref, [1, 1, 1], "float32")],
-                          acceptance=Acceptance(3))
+                          acceptance=SpecStats(3))
     assert not report.lossless_ok and "near-ties" in report.failures()[0]
     report.prompts.append(short)
     assert "the reference generated 3 tokens, the bundle 2" in report.failures()[0]

@@ -10,9 +10,14 @@ warm cache appends compile commands to the packaged sources; paths enter debug i
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import platform
 import shutil
+import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -39,6 +44,7 @@ class AotiBackend:
             raise UserError("backend_options.device cuda: this machine has no CUDA device (or torch is a CPU "
                             "build); build on a GPU host or use device: cpu")
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
+        self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
         if opts:
             raise UserError(f"backend_options {sorted(opts)} are not understood by backend aoti "
                             "(it takes device and inductor_configs)")
@@ -64,6 +70,15 @@ class AotiBackend:
 
         return output_specs(module, example_args)
 
+    def prepare(self, cache_root: Path) -> None:
+        """Once per build (and per worker) before compiling: skip Inductor's per-process CPU ISA
+        probe when the memoised probe of this host proved every ISA the CPU flags list."""
+        try:
+            isa = host_vec_isa(Path(cache_root))
+        except Exception:  # an optimisation only: Inductor then probes by itself
+            return
+        self.vec_isa_ok = True if isa["verified"] == isa["cpuinfo"] and isa["cpuinfo"] else None
+
     def compile_exported(self, ep, out: Path, key: str) -> dict:
         if ep.example_inputs is None:  # after a save/load round trip: uninitialised stand-ins (no memory touched)
             ep.example_inputs = example_inputs(ep, self.device)
@@ -72,13 +87,56 @@ class AotiBackend:
         try:
             # one compile thread: AOTI emits one kernel file, and Inductor's worker pool only slows
             # start-up and can hold the interpreter at exit; parallelism comes from our own jobs
-            with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(compile_threads=1):
+            patch = {"compile_threads": 1}
+            if self.vec_isa_ok:
+                patch["cpp.vec_isa_ok"] = True
+            with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch):
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(out),
                                                          inductor_configs=self.inductor_configs)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         set_serialization_id(out, key)
         return {"format": "aotinductor", "torch": torch.__version__, "device": self.device, "target": self.target()}
+
+
+def host_vec_isa(cache_root: Path) -> dict:
+    """Which CPU vector ISAs Inductor may use on this host: {"cpuinfo": [...], "verified": [...]}.
+
+    Inductor proves each ISA that /proc/cpuinfo lists by compiling a test program with its flags and
+    dlopen-ing it from a fresh interpreter — ~19 s on this machine, paid once per process and again for
+    every fresh Inductor cache dir (each compile here has a private one, for reproducibility). The
+    answer depends only on the CPU flags, the C++ compiler and torch, so it is memoised under the
+    compile cache (`host/`), keyed on exactly those. "verified" is Inductor's own checked list; when it
+    equals "cpuinfo", compiles set `cpp.vec_isa_ok` and Inductor picks the same ISA without probing.
+    Not x86: Inductor does not probe (empty lists, nothing changes)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return {"cpuinfo": [], "verified": []}
+    from torch._inductor import cpp_builder, cpu_vec_isa
+
+    flags = sorted(cpu_vec_isa.x86_isa_checker())
+    compiler = cpp_builder.get_cpp_compiler()
+    try:
+        compiler_id = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                     timeout=60).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        compiler_id = []
+    ident = json.dumps([torch.__version__, platform.machine(), flags, compiler, compiler_id])
+    path = cache_root / "host" / f"vec-isa-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    cpuinfo = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
+               if all(f in flags for f in str(isa).split())]
+    with tempfile.TemporaryDirectory(prefix="eagle3-isa-") as d, _env("TORCHINDUCTOR_CACHE_DIR", d), \
+            torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
+        verified = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    result = {"cpuinfo": cpuinfo, "verified": verified, "compiler": compiler, "torch": torch.__version__}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+    return result
 
 
 def example_inputs(ep, device: str = "cpu"):

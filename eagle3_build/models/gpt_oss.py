@@ -33,15 +33,13 @@ from ..errors import CheckpointError
 from ..sharding import Layout
 from .llama import (
     Comm,
+    DecoderStack,
     RMSNorm,
-    Rope,
-    VocabEmbedding,
     apply_rope,
     cache_write,
     dtype_bytes,
     llama_layout,
     rope_params,
-    vocab_parallel_logits,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -222,44 +220,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class GptOss(nn.Module):
-    """Target model; same call interface as llama.Llama."""
+class GptOss(DecoderStack):
+    """Target model; same frame and call interface as llama.Llama, its own layers and norm."""
 
     def __init__(self, a: GptOssArgs, aux_layer_ids: tuple[int, ...], layout: Layout | None = None):
-        super().__init__()
-        L = layout or gpt_oss_layout(a, 1)
-        self.args, self.layout, self.aux_layer_ids = a, L, tuple(aux_layer_ids)
-        comm = self.comm = Comm(L.tp)
-        Hp = L.padded_hidden
-        self.embed_tokens = VocabEmbedding(L.vocab_per_rank, Hp, comm)
-        self.layers = nn.ModuleList(
-            DecoderLayer(a, L, a.sliding_window if t == SLIDING else None, comm) for t in a.layer_types)
-        self.norm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
-        if not a.tie_word_embeddings:
-            self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)
-        self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
+        L = layout or llama_layout(a, 1)
 
-    def kv_shape(self, max_num_seqs: int, max_model_len: int) -> list[int]:
-        a, L = self.args, self.layout
-        return [a.num_layers, 2, max_num_seqs, L.kv_heads_per_rank, max_model_len, a.head_dim]
+        def layer(i: int, comm: Comm) -> DecoderLayer:
+            return DecoderLayer(a, L, a.sliding_window if a.layer_types[i] == SLIDING else None, comm)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
-
-    def forward(self, tokens, positions, kv, rows, prefill: bool, rank: torch.Tensor):
-        """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p])."""
-        h = self.embed_tokens(tokens, rank)
-        cos, sin = self.rope(positions, h.dtype)
-        entering = {}
-        for i, layer in enumerate(self.layers):
-            entering[i] = h
-            h = layer(h, cos, sin, kv, i, rows, positions, prefill)
-        return h, torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
-
-
-def gpt_oss_layout(a: GptOssArgs, tp: int, padded_hidden: int | None = None) -> Layout:
-    return llama_layout(a, tp, padded_hidden)
+        super().__init__(a, aux_layer_ids, L, layer, GptOssRMSNorm)
 
 
 def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = None,
@@ -269,6 +239,6 @@ def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = Non
     model the bundle builds, so it is exactly what the sharder writes (file headers aside)."""
     a = gpt_oss_args(config, "target")
     with torch.device("meta"):
-        m = GptOss(a, (), gpt_oss_layout(a, tp, padded_hidden))
+        m = GptOss(a, (), llama_layout(a, tp, padded_hidden))
     return sum(p.numel() for p in m.parameters()) * dtype_bytes(dtype)
 

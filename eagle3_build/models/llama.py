@@ -251,18 +251,19 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Llama(nn.Module):
-    """Target model. Canonical weight names = HF names without the `model.` prefix."""
+class DecoderStack(nn.Module):
+    """The target-model frame Llama and GPT-OSS share: vocab-parallel embedding, decoder layers, final
+    norm, lm_head (unless tied), RoPE and the aux-state capture. Subclasses supply the layers and norm.
+    Canonical weight names = HF names without the `model.` prefix."""
 
-    def __init__(self, a: LlamaArgs, aux_layer_ids: tuple[int, ...], layout: Layout | None = None):
+    def __init__(self, a, aux_layer_ids: tuple[int, ...], L: Layout, make_layer, norm_cls=RMSNorm):
         super().__init__()
-        L = layout or llama_layout(a, 1)
         self.args, self.layout, self.aux_layer_ids = a, L, tuple(aux_layer_ids)
         comm = self.comm = Comm(L.tp)
         Hp = L.padded_hidden
         self.embed_tokens = VocabEmbedding(L.vocab_per_rank, Hp, comm)
-        self.layers = nn.ModuleList(DecoderLayer(a, L, comm) for _ in range(a.num_layers))
-        self.norm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
+        self.layers = nn.ModuleList(make_layer(i, comm) for i in range(a.num_layers))
+        self.norm = norm_cls(Hp, a.rms_norm_eps, L.hidden)
         if not a.tie_word_embeddings:
             self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)
         self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
@@ -286,8 +287,17 @@ class Llama(nn.Module):
         return h, torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
 
 
-def llama_layout(a: LlamaArgs, tp: int, padded_hidden: int | None = None) -> Layout:
-    """Also the GPT-OSS layout (same field names; its expert intermediate follows Layout's rules)."""
+class Llama(DecoderStack):
+    """Target model."""
+
+    def __init__(self, a: LlamaArgs, aux_layer_ids: tuple[int, ...], layout: Layout | None = None):
+        L = layout or llama_layout(a, 1)
+        super().__init__(a, aux_layer_ids, L, lambda i, comm: DecoderLayer(a, L, comm))
+
+
+def llama_layout(a, tp: int, padded_hidden: int | None = None) -> Layout:
+    """The layout of a Llama or GPT-OSS target (same field names; GPT-OSS's expert intermediate follows
+    Layout's rules)."""
     return Layout(tp=tp, hidden=a.hidden_size, padded_hidden=padded_hidden or a.hidden_size,
                   num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                   intermediate=a.intermediate_size, vocab=a.vocab_size)
