@@ -137,6 +137,7 @@ class Entry:
 class CompileCache:
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
+        self._timings: list[tuple[str, str, float]] | None = None  # (backend, role, s / sqrt(tokens))
 
     def _dir(self, key: str) -> Path:
         return self.root / "graphs" / key[:2] / key
@@ -172,11 +173,19 @@ class CompileCache:
     def estimate(self, backend: str, role: str, tokens: int) -> float | None:
         """Learned compile time: the median of cached compiles of the same backend and role, scaled
         by tokens per call (None when nothing comparable was ever compiled)."""
-        same = [e for e in self.entries() if e.meta.get("backend") == backend and e.meta.get("role") == role]
-        if not same:
+        if self._timings is None:  # read the entries once per cache object (one build), not per graph
+            self._timings = []
+            for e in self.entries():
+                self._note_timing(e.meta)
+        per_token = [t for b, r, t in self._timings if b == backend and r == role]
+        if not per_token:
             return None
-        per_token = [e.compile_seconds / max(1, int(e.meta.get("tokens", 1))) ** 0.5 for e in same]
         return statistics.median(per_token) * max(1, tokens) ** 0.5
+
+    def _note_timing(self, meta: dict) -> None:
+        if self._timings is not None and meta.get("role"):
+            self._timings.append((meta.get("backend"), meta["role"],
+                                  float(meta.get("compile_seconds", 0.0)) / max(1, int(meta.get("tokens", 1))) ** 0.5))
 
     # ---- write
     def staging_dir(self) -> Path:
@@ -201,6 +210,7 @@ class CompileCache:
                 raise
             return existing
         self.clear_failure(key)
+        self._note_timing(meta)
         return Entry(key, final, meta)
 
     # ---- trace memo
@@ -247,6 +257,7 @@ class CompileCache:
     def prune(self, *, older_than_days: float | None = None, max_bytes: int | None = None) -> list[Entry]:
         """Drop entries not used for `older_than_days`, then the least recently used ones until the
         cache fits in `max_bytes`. Returns what was removed."""
+        self._timings = None
         entries = sorted(self.entries(), key=lambda e: self.last_used(e))
         removed = []
         now = time.time()
@@ -281,8 +292,9 @@ class CompileCache:
             return 0.0
 
     def clear(self) -> int:
+        self._timings = None
         n = len(self.entries())
-        for sub in ("graphs", "traces", "failures", "tmp"):
+        for sub in ("graphs", "traces", "failures", "tmp", "host"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
         return n
 

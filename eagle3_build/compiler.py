@@ -3,12 +3,13 @@
     trace (main process, torch.export) -> key -> cache hit?  -> done
                                                  miss       -> compile job -> cache entry
 
-With `jobs == 1` a miss compiles in this process. With `jobs > 1` every miss runs in its own worker
-process (`python -m eagle3_build.compiler STAGING_DIR`, log captured next to it), at most `jobs` at
-a time, so one graph's crash (segfault, OOM kill) cannot take the others down. A worker that dies
-abnormally is retried once; a compile error is not (it would fail the same way). Failures are
-recorded in the cache with their log but never skip a later compile. Ctrl-C kills the workers and
-removes their staging directories.
+With `jobs == 1` a miss compiles in this process. With `jobs > 1` misses go to at most `jobs`
+long-lived worker processes (`python -m eagle3_build.compiler --serve`, one graph at a time each, its
+log captured next to it), so torch/Inductor start-up is paid once per worker while one graph's crash
+(segfault, OOM kill) still takes down only that graph. A graph whose worker dies is retried once on a
+fresh worker; a compile error is not (it would fail the same way). Failures are recorded in the cache
+with their log but never skip a later compile. Ctrl-C kills the workers and removes their staging
+directories.
 
 Fault injection (tests, CI drills): `EAGLE3_BUILD_INJECT_FAILURE=graph_name[:crash][,...]` makes
 that graph's compile raise (or, with `:crash`, its worker process die once, which the retry absorbs;
@@ -21,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -129,18 +131,24 @@ class Scheduler:
         self.require_cached = require_cached
         self.jobs, self.report, self.tp, self.retries = max(1, jobs), report, tp, retries
         self.queue: list[GraphJob] = []
-        self.running: dict[str, _Worker] = {}
+        self.lanes: list[_Lane] = []  # worker processes (jobs > 1), each compiling one graph at a time
         self.results: dict[str, GraphResult] = {}
         self.attempts: dict[str, int] = {}
         self.staged: list[Path] = []  # every staging dir this build made (removed on abort)
-        self.prepared = False
+        self._prep: threading.Thread | None = None
 
-    def prepare(self) -> None:
-        """Backend set-up shared by every compile of this build (before the first miss compiles)."""
-        if not self.prepared:
-            self.prepared = True
-            if hasattr(self.backend, "prepare"):
-                self.backend.prepare(self.cache.root)
+    def start_prepare(self) -> None:
+        """Backend set-up shared by every compile of this build (aoti: the host's CPU ISA probe, up to
+        ~20 s of g++ runs the first time), in a thread so that it overlaps the tracing of the graphs."""
+        if self._prep is None and hasattr(self.backend, "prepare") and not self.require_cached:
+            self._prep = threading.Thread(target=self.backend.prepare, args=(self.cache.root,), daemon=True)
+            self._prep.start()
+
+    def prepared(self, wait: bool) -> bool:
+        self.start_prepare()
+        if self._prep is not None and wait:
+            self._prep.join()
+        return self._prep is None or not self._prep.is_alive()
 
     def new_staging(self) -> Path:
         d = self.cache.staging_dir()
@@ -166,13 +174,14 @@ class Scheduler:
             self._event(job, "failed", error=error)
             return
         self.queue.append(job)
+        self.start_prepare()
         self._event(job, "queued")
         if self.jobs > 1:
             self.pump()
 
     # ---------------------------------------------------------------- in-process (jobs == 1)
     def _compile_here(self, job: GraphJob) -> None:
-        self.prepare()
+        self.prepared(wait=True)
         self.attempts[job.name] = 1
         staged = self.new_staging()
         out = staged / f"graph{self.backend.SUFFIX}"
@@ -207,38 +216,49 @@ class Scheduler:
 
     # ---------------------------------------------------------------- worker processes (jobs > 1)
     def pump(self) -> None:
-        for name, w in list(self.running.items()):
-            rc = w.proc.poll()
+        for lane in list(self.lanes):
+            if lane.task is None:
+                continue
+            rc = lane.poll()
             if rc is None:
                 continue
-            del self.running[name]
-            self._reap(w, rc)
-        while self.queue and len(self.running) < self.jobs:
-            self.prepare()
-            job = self.queue.pop(0)
+            task = lane.task
+            lane.task = None
+            if lane.dead:
+                self.lanes.remove(lane)
+            self._reap(task, rc)
+        busy = sum(ln.task is not None for ln in self.lanes)
+        while len(self.lanes) < min(self.jobs, busy + len(self.queue)):  # start-up overlaps tracing/prepare
+            self.lanes.append(_Lane.start(self.backend.NAME))
+        while self.queue and self.prepared(wait=False):
+            lane = next((ln for ln in self.lanes if ln.task is None), None)
+            if lane is None:
+                break
+            job = max(self.queue, key=lambda j: j.estimate)  # longest first: the lanes finish together
+            self.queue.remove(job)
             self.attempts[job.name] = self.attempts.get(job.name, 0) + 1
-            self.running[job.name] = _Worker.start(job, self, self.attempts[job.name])
+            lane.assign(_Task.stage(job, self, self.attempts[job.name]))
             self._event(job, "compiling", attempt=self.attempts[job.name])
 
-    def _reap(self, w: _Worker, rc: int) -> None:
-        job, seconds = w.job, time.perf_counter() - w.t0
-        log = w.log.read_text(errors="replace") if w.log.exists() else ""
-        result = w.dir / "result.json"
+    def _reap(self, task: _Task, rc: int) -> None:
+        job, seconds = task.job, time.perf_counter() - task.t0
+        log = task.log.read_text(errors="replace") if task.log.exists() else ""
+        result = task.dir / "result.json"
         if rc == 0 and result.exists():
             info = json.loads(result.read_text())["info"]
-            self._store(job, w.out, info, seconds)
-            shutil.rmtree(w.dir, ignore_errors=True)
+            self._store(job, task.out, info, seconds)
+            shutil.rmtree(task.dir, ignore_errors=True)
             return
         if rc != COMPILE_ERROR_EXIT and self.attempts[job.name] <= self.retries:
             reason = f"worker exited with {_describe_rc(rc)}"
             self._event(job, "retrying", error=reason)
             self.queue.insert(0, job)
-            shutil.rmtree(w.dir, ignore_errors=True)
+            shutil.rmtree(task.dir, ignore_errors=True)
             return
-        err_file = w.dir / "error.json"
+        err_file = task.dir / "error.json"
         error = json.loads(err_file.read_text())["error"] if err_file.exists() else f"worker exited with {_describe_rc(rc)}"
         self._failed(job, error, log, seconds)
-        shutil.rmtree(w.dir, ignore_errors=True)
+        shutil.rmtree(task.dir, ignore_errors=True)
 
     def finish(self) -> list[GraphResult]:
         try:
@@ -246,28 +266,32 @@ class Scheduler:
                 while self.queue:
                     self._compile_here(self.queue.pop(0))
             else:
-                while self.queue or self.running:
+                while self.queue or any(ln.task for ln in self.lanes):
                     self.pump()
                     time.sleep(0.1)
         except BaseException:
             self.abort()
             raise
+        for lane in self.lanes:
+            lane.close()
+        self.lanes.clear()
         return list(self.results.values())
 
     def abort(self) -> None:
-        for w in self.running.values():
-            w.proc.terminate()
+        for lane in self.lanes:
+            lane.proc.terminate()
         deadline = time.time() + 5
-        for w in self.running.values():
+        for lane in self.lanes:
             try:
-                w.proc.wait(max(0.1, deadline - time.time()))
+                lane.proc.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
-            shutil.rmtree(w.dir, ignore_errors=True)
+                lane.proc.kill()
+                lane.proc.wait()
+            if lane.task is not None:
+                shutil.rmtree(lane.task.dir, ignore_errors=True)
         for d in self.staged:  # (entries already moved into the cache are gone from here)
             shutil.rmtree(d, ignore_errors=True)
-        self.running.clear()
+        self.lanes.clear()
         self.queue.clear()
 
 
@@ -283,16 +307,18 @@ def _describe_rc(rc: int) -> str:
 
 
 @dataclass
-class _Worker:
+class _Task:
+    """One graph's compile in a worker: its staging dir holds task.json + input.pt2 in, and
+    out/ + result.json (or error.json) + compile.log back."""
+
     job: GraphJob
-    proc: subprocess.Popen
     dir: Path
     out: Path
     log: Path
     t0: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def start(cls, job: GraphJob, s: Scheduler, attempt: int) -> _Worker:
+    def stage(cls, job: GraphJob, s: Scheduler, attempt: int) -> _Task:
         import torch
 
         d = s.new_staging()
@@ -311,19 +337,67 @@ class _Worker:
             (d / "task.json").write_text(json.dumps({
                 "graph": job.name, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
                 "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject, "cache_root": str(s.cache.root)}))
-            log = d / "compile.log"
-            with open(log, "wb") as f:
-                proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", str(d)], stdout=f,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        except BaseException:  # (Ctrl-C while starting a worker) leave no staging directory behind
+        except BaseException:  # (Ctrl-C while staging) leave no staging directory behind
             shutil.rmtree(d, ignore_errors=True)
             raise
-        return cls(job, proc, d, out, log)
+        return cls(job, d, out, d / "compile.log")
+
+
+class _Lane:
+    """A long-lived worker process (`python -m eagle3_build.compiler --serve`) that compiles the
+    graphs it is handed one at a time, so torch/Inductor start-up is paid once per lane, not once per
+    graph. Protocol: the staging dir's path on its stdin; `done <rc>` on its stdout when that graph
+    is finished (0 compiled, COMPILE_ERROR_EXIT compile raised). A lane whose process dies takes only
+    its current graph down (retried on a fresh lane)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.task, self.dead = proc, None, False
+
+    @classmethod
+    def start(cls, backend: str) -> _Lane:
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", "--serve", backend],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return cls(proc)
+
+    def assign(self, task: _Task) -> None:
+        self.task = task
+        try:
+            self.proc.stdin.write(f"{task.dir}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):  # died between graphs: poll() reports it
+            pass
+
+    def poll(self) -> int | None:
+        """The current graph's exit code once it is finished: the worker's `done <rc>`, or the
+        process's own exit status when it died (negative: killed by that signal)."""
+        import select
+
+        if select.select([self.proc.stdout], [], [], 0)[0]:
+            line = self.proc.stdout.readline()
+            if line.startswith(b"done "):
+                return int(line.split()[1])
+            try:  # EOF: the process is gone
+                rc = self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                rc = self.proc.wait()
+            self.dead = True
+            return rc if rc != 0 else -1
+        return None
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
 
 
 # ------------------------------------------------------------------ worker entry point
 
-def worker_main(staging: Path) -> int:
+def run_task(staging: Path, backends: dict) -> int:
+    """Compile the graph staged in `staging` (task.json, input.pt2); 0 or COMPILE_ERROR_EXIT."""
     task = json.loads((staging / "task.json").read_text())
     print(f"compiling {task['graph']} (key {task['key'][:16]}…) with backend {task['backend']}", flush=True)
     if task.get("inject") == "crash":
@@ -336,9 +410,12 @@ def worker_main(staging: Path) -> int:
         from .bundle import tracing_process_group
 
         torch.set_num_threads(1)
-        backend = get_backend(task["backend"], task["backend_options"])
-        if hasattr(backend, "prepare"):
-            backend.prepare(Path(task["cache_root"]))
+        ident = json.dumps([task["backend"], task["backend_options"], task["cache_root"]], sort_keys=True)
+        if ident not in backends:
+            backend = backends[ident] = get_backend(task["backend"], task["backend_options"])
+            if hasattr(backend, "prepare"):
+                backend.prepare(Path(task["cache_root"]))
+        backend = backends[ident]
         with tracing_process_group(task["tp"]):
             ep = torch.export.load(staging / "input.pt2")
             if task.get("inject"):
@@ -354,8 +431,42 @@ def worker_main(staging: Path) -> int:
     return 0
 
 
+def serve(backend: str) -> int:
+    """Worker loop: one staging dir per stdin line; the graph's output (ours, Inductor's, g++'s) goes
+    to its compile.log; `done <rc>` goes back on the original stdout. Imports first, while the build
+    is still tracing."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    idle = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(idle, 1)
+    os.dup2(idle, 2)
+    try:
+        import torch  # noqa: F401
+
+        from . import bundle  # noqa: F401
+        if backend == "aoti":
+            import torch._inductor.compile_fx  # noqa: F401
+    except Exception:  # reported by the first task that needs it
+        pass
+    backends: dict = {}
+    for line in sys.stdin:
+        staging = Path(line.strip())
+        with open(staging / "compile.log", "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                rc = run_task(staging, backends)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(idle, 1)
+                os.dup2(idle, 2)
+        proto.write(f"done {rc}\n")
+        proto.flush()
+    return 0
+
+
 if __name__ == "__main__":
-    rc = worker_main(Path(sys.argv[1]))
+    rc = serve(sys.argv[2]) if sys.argv[1] == "--serve" else run_task(Path(sys.argv[1]), {})
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # Inductor's compile-worker pool can keep a normal interpreter exit waiting

@@ -9,6 +9,7 @@ warm cache appends compile commands to the packaged sources; paths enter debug i
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -128,9 +129,14 @@ def host_vec_isa(cache_root: Path) -> dict:
         pass
     cpuinfo = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
                if all(f in flags for f in str(isa).split())]
+    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if str(isa) in cpuinfo]
+    # Inductor's own check per ISA (what valid_vec_isa_list() runs one after another), in parallel:
+    # each is a g++ build of a test program plus a dlopen in a fresh interpreter
     with tempfile.TemporaryDirectory(prefix="eagle3-isa-") as d, _env("TORCHINDUCTOR_CACHE_DIR", d), \
-            torch._inductor.config.patch({"cpp.vec_isa_ok": None}):
-        verified = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+            torch._inductor.config.patch({"cpp.vec_isa_ok": None}), \
+            concurrent.futures.ThreadPoolExecutor(len(candidates) or 1) as pool:
+        ok = list(pool.map(bool, candidates))
+    verified = [str(isa) for isa, good in zip(candidates, ok) if good]
     result = {"cpuinfo": cpuinfo, "verified": verified, "compiler": compiler, "torch": torch.__version__}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")

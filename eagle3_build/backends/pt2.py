@@ -22,6 +22,7 @@ def set_serialization_id(path: Path, new_id: str) -> None:
             return
         (info,) = infos
         old = z.read(info)
+        cd_offset = z.start_dir  # file offset of the central directory
     data = new_id.encode()[: len(old)].ljust(len(old), b"0")
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"{path}: {info.filename} is compressed; cannot rewrite it in place")
@@ -37,8 +38,10 @@ def set_serialization_id(path: Path, new_id: str) -> None:
         f.write(struct.pack("<I", crc))
         f.seek(info.header_offset + 30 + name_len + extra_len)
         f.write(data)
-        # central directory record of the same entry: crc at +16
-        blob = _read_all(f)
+        # central directory record of the same entry: crc at +16 (read only the directory, not the
+        # whole archive: packages can be large)
+        f.seek(cd_offset)
+        blob = f.read()
         name = info.filename.encode()
         pos = 0
         while True:
@@ -47,7 +50,7 @@ def set_serialization_id(path: Path, new_id: str) -> None:
                 raise ValueError(f"{path}: central directory entry for {info.filename} not found")
             n_len = struct.unpack("<H", blob[pos + 28:pos + 30])[0]
             if blob[pos + 46:pos + 46 + n_len] == name:
-                f.seek(pos + 16)
+                f.seek(cd_offset + pos + 16)
                 f.write(struct.pack("<I", crc))
                 break
             pos += 4
@@ -55,7 +58,3 @@ def set_serialization_id(path: Path, new_id: str) -> None:
         if z.read(info.filename) != data:
             raise ValueError(f"{path}: rewriting the serialization id failed")
 
-
-def _read_all(f) -> bytes:
-    f.seek(0)
-    return f.read()
