@@ -223,15 +223,15 @@ class CompileCache:
     def put_trace(self, trace_key: str, record: dict) -> None:
         d = self.root / "traces"
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(d / f"{trace_key}.json", json.dumps(record, sort_keys=True))
+        atomic_write(d / f"{trace_key}.json", json.dumps(record, sort_keys=True))
 
     # ---- failures (recorded with their log; never used to skip a compile)
     def record_failure(self, key: str, meta: dict, log: str) -> Path:
         d = self.root / "failures"
         d.mkdir(parents=True, exist_ok=True)
         log_path = d / f"{key}.log"
-        _atomic_write(log_path, log)
-        _atomic_write(d / f"{key}.json", json.dumps({**meta, "key": key, "time": time.time()}, indent=2))
+        atomic_write(log_path, log)
+        atomic_write(d / f"{key}.json", json.dumps({**meta, "key": key, "time": time.time()}, indent=2))
         return log_path
 
     def failure(self, key: str) -> dict | None:
@@ -299,7 +299,7 @@ class CompileCache:
         return n
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     tmp.write_text(text)
     os.replace(tmp, path)

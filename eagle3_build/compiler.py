@@ -440,11 +440,13 @@ def serve(backend: str) -> int:
     os.dup2(idle, 1)
     os.dup2(idle, 2)
     try:
-        import torch  # noqa: F401
+        import importlib
 
-        from . import bundle  # noqa: F401
-        if backend == "aoti":
-            import torch._inductor.compile_fx  # noqa: F401
+        from . import bundle  # noqa: F401  (torch, models)
+
+        module = importlib.import_module(f"{__package__}.backends.{backend}")
+        if hasattr(module, "warm_up"):
+            module.warm_up()
     except Exception:  # reported by the first task that needs it
         pass
     backends: dict = {}
@@ -466,7 +468,7 @@ def serve(backend: str) -> int:
 
 
 if __name__ == "__main__":
-    rc = serve(sys.argv[2]) if sys.argv[1] == "--serve" else run_task(Path(sys.argv[1]), {})
+    rc = serve(sys.argv[2])  # (python -m eagle3_build.compiler --serve BACKEND)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # Inductor's compile-worker pool can keep a normal interpreter exit waiting

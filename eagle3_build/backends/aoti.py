@@ -18,12 +18,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import uuid
 from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
 
+from ..cache import atomic_write
 from ..errors import UserError
 from .pt2 import set_serialization_id
 
@@ -127,9 +127,8 @@ def host_vec_isa(cache_root: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    cpuinfo = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
-               if all(f in flags for f in str(isa).split())]
-    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if str(isa) in cpuinfo]
+    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    cpuinfo = [str(isa) for isa in candidates]
     # Inductor's own check per ISA (what valid_vec_isa_list() runs one after another), in parallel:
     # each is a g++ build of a test program plus a dlopen in a fresh interpreter
     with tempfile.TemporaryDirectory(prefix="eagle3-isa-") as d, _env("TORCHINDUCTOR_CACHE_DIR", d), \
@@ -139,10 +138,13 @@ def host_vec_isa(cache_root: Path) -> dict:
     verified = [str(isa) for isa, good in zip(candidates, ok) if good]
     result = {"cpuinfo": cpuinfo, "verified": verified, "compiler": compiler, "torch": torch.__version__}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(result))
     return result
+
+
+def warm_up() -> None:
+    """What a compile worker imports while the build is still tracing (compiler.serve)."""
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def example_inputs(ep, device: str = "cpu"):
