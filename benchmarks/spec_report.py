@@ -13,7 +13,7 @@
     # re-render a saved report (table + PNG), optionally with notes
     python benchmarks/spec_report.py --from-result R.json --note "..." --save-result R.json --plot R.png
 
-What it measures (every contender greedy, 1 CPU thread, the same chat-templated prompts, the same
+What it measures (every contender greedy, --threads CPU threads (default 1), the same chat-templated prompts, the same
 max_tokens; see "Method" below for the details):
 
   1. Build: one bundle per K (num_speculative_tokens overridden; K sets the verify/catch-up graph
@@ -66,6 +66,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "recipes" / "smollm2-135m-eagle3.yaml"
 GOALS = {"spec_vs_plain": 1.6, "runtime_vs_transformers": 3.0, "cold_start_vs_compile": 20.0}
 CHILD_TAG = "SPEC_REPORT_CHILD "
+
+
+THREADS = 1  # torch CPU threads of every contender (--threads)
 
 
 def log(msg: str) -> None:
@@ -170,6 +173,7 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
     load_s = time.perf_counter() - t0
     for spec in (True, False):  # warm-up: a first call of every graph used (prefill, draft, verify, catch-up)
         engine.generate(prompts[0], min(4, max_tokens), speculative=spec)
+    engine.metrics.graph_totals.clear()  # profile the measured runs only
     runs = {True: [[] for _ in prompts], False: [[] for _ in prompts]}
     tokens: dict[bool, list[list[int]]] = {True: [], False: []}
     stats = SpecStats(engine.K)
@@ -183,10 +187,7 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
                     tokens[spec].append(g.token_ids)
                     if spec:
                         passes += g.target_passes
-                        for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                            setattr(stats, f, getattr(stats, f) + getattr(g.stats, f))
-                        stats.accepted_per_position = [a + b for a, b in zip(stats.accepted_per_position,
-                                                                              g.stats.accepted_per_position)]
+                        stats.add(g.stats)
     spec_s, plain_s = summarize(_median_runs(runs[True])), summarize(_median_runs(runs[False]))
     spec_s["target_passes_per_token"] = round(passes / spec_s["generated_tokens"], 3)
     same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
@@ -195,7 +196,8 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
             "speedup_e2e": round(spec_s["e2e_tok_s"] / plain_s["e2e_tok_s"], 3),
             "acceptance": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.to_dict().items()}
             | {"per_position_acceptance_rate": [round(x, 4) for x in stats.per_position]},
-            "spec_equals_plain": f"{same}/{len(prompts)}", "_tokens": tokens[False]}
+            "spec_equals_plain": f"{same}/{len(prompts)}", "graphs": engine.metrics.graph_profile(),
+            "_tokens": tokens[False]}
 
 
 class _Clock:
@@ -251,7 +253,7 @@ def measure_transformers(target: Path, dtype: str, prompts: list[list[int]], max
 # -------------------------------------------------------------------------------------------- cold start
 
 def _run_cli_cmd(bundle: Path, prompt: str, chat: bool) -> list[str]:
-    return ["-m", "eagle3_runtime.cli", str(bundle), "--prompt", prompt, "--max-tokens", "1", "--threads", "1",
+    return ["-m", "eagle3_runtime.cli", str(bundle), "--prompt", prompt, "--max-tokens", "1", "--threads", str(THREADS),
             "--json"] + (["--chat"] if chat else [])
 
 
@@ -283,7 +285,7 @@ def cold_compile(recipe: Path, pair: str | None, k: int, backend: str, prompt: s
             cache = keep_cache or tmp / "cache"
             env = dict(os.environ, EAGLE3_BUILD_CACHE=str(cache))
             cmd = [sys.executable, str(Path(__file__).resolve()), str(recipe), "--k", str(k), "--backend", backend,
-                   "--cold-child", str(tmp / "bundle"), "--cold-prompt", prompt] + (["--pair", pair] if pair else []) \
+                   "--cold-child", str(tmp / "bundle"), "--cold-prompt", prompt, "--threads", str(THREADS)] + (["--pair", pair] if pair else []) \
                 + ([] if chat else ["--no-chat"]) + (["--jobs", str(jobs)] if jobs else [])
             t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
@@ -330,8 +332,13 @@ def machine() -> dict:
         pass
     import torch
 
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": THREADS, "torch": torch.__version__, "python": platform.python_version(),
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _threads(res: dict) -> str:
+    n = res["machine"].get("threads", 1)
+    return f"{n} CPU thread{'s' if n > 1 else ''}"
 
 
 def _n(x: float) -> str:
@@ -349,7 +356,7 @@ def render_table(res: dict) -> str:
     s = res["summary"]
     b, pr = res["bundle"], res["prompts"]
     if "decode" in res:
-        lines.append(f"decode, greedy, 1 thread, {pr['count']} prompts, max_tokens {pr['max_tokens']} "
+        lines.append(f"decode, greedy, {_threads(res)}, {pr['count']} prompts, max_tokens {pr['max_tokens']} "
                      f"({b['backend']}, {b['dtype']}); tok/s = decode tokens/s, TPOT median over prompts")
         lines.append(f"{'K':>3} {'spec tok/s':>11} {'plain tok/s':>12} {'speedup':>8} {'spec TPOT ms':>13} "
                      f"{'plain TPOT ms':>14} {'TTFT ms':>8} {'accept len':>11} {'spec==plain':>12}  "
@@ -361,6 +368,10 @@ def render_table(res: dict) -> str:
                          f"{v['plain']['tpot_ms_median']:>14.2f} {v['spec']['ttft_ms_median']:>8.1f} "
                          f"{a['mean_acceptance_length']:>11.2f} {v['spec_equals_plain']:>12}  "
                          + ", ".join(f"{x:.3f}" for x in a["per_position_acceptance_rate"]))
+        for k, v in res["decode"].items():
+            if v.get("graphs"):
+                lines.append(f"  K={k} mean ms per call: " + ", ".join(
+                    f"{name} {g['mean_ms']:.1f}" for name, g in v["graphs"].items() if "prefill" not in name))
     for t in res.get("transformers", {}).values():
         lines.append(f"transformers eager {t['dtype']:<9}: {_n(t['decode_tok_s'])} tok/s decode, TPOT "
                      f"{t['tpot_ms_median']:.2f} ms, TTFT {t['ttft_ms_median']:.1f} ms"
@@ -427,7 +438,7 @@ def plot(res: dict, path: Path) -> None:
         ax.axhline(t["decode_tok_s"], color=hf_c, ls=styles[j % 2], lw=1.6,
                    label=f"transformers eager generate(), {t['dtype']}: {_n(t['decode_tok_s'])} tok/s")
     ax.set_xticks(list(x), [f"K={k}" for k in ks])
-    ax.set_ylabel("decode tokens/s (1 CPU thread, greedy)")
+    ax.set_ylabel(f"decode tokens/s ({_threads(res)}, greedy)")
     s = res["summary"]
     ax.set_title(f"Decode speed — best K={s['best_k']}: {s['spec_vs_plain']:.2f}x over no speculation "
                  f"{_mark(s['spec_vs_plain'], 'spec_vs_plain')}"
@@ -483,7 +494,7 @@ def plot(res: dict, path: Path) -> None:
 
     b = res["bundle"]
     fig.suptitle(f"EAGLE3 on {b['name']} — {b['backend']} backend, {b['dtype']}, {res['prompts']['count']} "
-                 f"chat prompts × ≤{res['prompts']['max_tokens']} tokens, 1 thread — {res['machine']['cpu']}",
+                 f"chat prompts × ≤{res['prompts']['max_tokens']} tokens, {_threads(res)} — {res['machine']['cpu']}",
                  fontsize=11)
     notes = res.get("notes", [])
     if notes:
@@ -516,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (median per prompt)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for every contender")
     ap.add_argument("--no-chat", action="store_true", help="raw prompts instead of the chat template")
     ap.add_argument("--hf-dtypes", default="auto",
                     help="transformers eager dtypes, comma-separated; auto = the bundle's and float32")
@@ -550,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    global THREADS
+    THREADS = args.threads
     if args.cold_child:
         return cold_child(args)
 

@@ -281,7 +281,6 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     def _prefill(self, req: Request) -> None:
-        b = self.bundle
         row, n = len(self.active), len(req.prompt_ids)
         seq = Sequence(req, list(req.prompt_ids), n, row, req.sampling.generator(), SpecStats(self.K))
         self.active.append(seq)
@@ -289,15 +288,23 @@ class Engine:
         tokens = torch.zeros(1, S, dtype=torch.int64)
         tokens[0, :n] = torch.tensor(seq.ids)
         slot, last = torch.tensor([row]), torch.tensor([n - 1])
-        logits, aux = b.graph("target_prefill", S)(tokens, slot, last)
+        logits, aux = self._run("target_prefill", S, tokens, slot, last)
         self.target_passes += 1
         self.metrics.prompt_tokens.inc(n)
         self._emit(seq, [next_token(logits[0], req.sampling, seq.gen)])
         if seq.finish_reason is None and self._speculates(seq):
             nxt = torch.zeros(1, S, dtype=torch.int64)
             nxt[0, :n] = torch.tensor(seq.ids[1:n + 1])
-            tok, hidden = b.graph("draft_prefill", S)(aux, nxt, slot, last)
+            tok, hidden = self._run("draft_prefill", S, aux, nxt, slot, last)
             seq.draft_tok, seq.draft_hidden = int(tok[0]), hidden[0]
+
+    def _run(self, role: str, bucket: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Call one compiled graph, timed into the metrics (eagle3_graph_latency_seconds)."""
+        graph = self.bundle.graph(role, bucket)
+        t0 = time.perf_counter()
+        out = graph(*inputs)
+        self.metrics.record_graph(role, bucket, time.perf_counter() - t0)
+        return out
 
     def _speculates(self, seq: Sequence) -> bool:
         return self.speculative and seq.req.speculative
@@ -320,33 +327,32 @@ class Engine:
         pos = torch.zeros(bsz, dtype=torch.int64)
         for s in self.active:
             tokens[s.row], pos[s.row] = s.ids[-1], s.pos
-        (logits,) = self.bundle.graph("target_decode", bsz)(tokens, pos)
+        (logits,) = self._run("target_decode", bsz, tokens, pos)
         self.target_passes += 1
         for s in self.active:
             self._emit(s, [next_token(logits[s.row], s.req.sampling, s.gen)])
 
     def _spec_round(self, bsz: int, spec: list[bool]) -> None:
-        K, b = self.K, self.bundle
+        K = self.K
         rows = self.active
         # 1. draft K tokens per row (rows without a draft state get dummies and are ignored)
         drafts = torch.zeros(bsz, K, dtype=torch.int64)
-        hidden = torch.zeros(bsz, self.hidden, dtype=b.state["draft_kv"].dtype)
+        hidden = torch.zeros(bsz, self.hidden, dtype=self.bundle.state["draft_kv"].dtype)
         start = torch.zeros(bsz, dtype=torch.int64)
         for s, ok in zip(rows, spec):
             start[s.row] = s.pos
             if ok:
                 drafts[s.row, 0], hidden[s.row] = s.draft_tok, s.draft_hidden
-        step = b.graph("draft_step", bsz)
         tok = drafts[:, 0].clone()
         for k in range(1, K):
-            tok, hidden = step(hidden, tok, (start - 1 + k).clamp(min=0))
+            tok, hidden = self._run("draft_step", bsz, hidden, tok, (start - 1 + k).clamp(min=0))
             drafts[:, k] = tok
         # 2. verify all K+1 positions in one target pass
         verify_in = torch.zeros(bsz, K + 1, dtype=torch.int64)
         for s in rows:
             verify_in[s.row, 0] = s.ids[-1]
         verify_in[:, 1:] = drafts
-        logits, aux = b.graph("target_verify", bsz)(verify_in, start)
+        logits, aux = self._run("target_verify", bsz, verify_in, start)
         self.target_passes += 1
         # 3. accept per row
         nxt = torch.zeros(bsz, K + 1, dtype=torch.int64)
@@ -368,7 +374,7 @@ class Engine:
         # 4. catch the draft up on the accepted positions (rows that finished or cannot speculate
         #    write only into their own, soon irrelevant, draft cache entries)
         if any(ok and s.finish_reason is None for s, ok in zip(rows, spec)):
-            tok, hid = b.graph("draft_catchup", bsz)(aux, nxt, start, last)
+            tok, hid = self._run("draft_catchup", bsz, aux, nxt, start, last)
             for s, ok in zip(rows, spec):
                 if ok:
                     s.draft_tok, s.draft_hidden = int(tok[s.row]), hid[s.row]

@@ -33,6 +33,9 @@ class Metrics:
         self.running = Gauge("eagle3_num_requests_running", "Requests holding a KV-cache row", registry=r)
         self.step_latency = Histogram("eagle3_step_latency_seconds", "Engine step latency by kind",
                                       ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.graph_latency = Histogram("eagle3_graph_latency_seconds", "Compiled graph call latency by role and bucket",
+                                       ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        self.graph_totals: dict[tuple[str, int], list] = {}  # (role, bucket) -> [calls, seconds], for reports
         self.ttft = Histogram("eagle3_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self._drafts = self._accepted = 0
@@ -54,6 +57,17 @@ class Metrics:
         self.acceptance_length.set(1 + self._accepted / self._drafts)
         for i in range(self.k):
             self.per_pos_rate.labels(str(i)).set(self._per_pos[i] / self._drafts)
+
+    def record_graph(self, role: str, bucket: int, seconds: float) -> None:
+        self.graph_latency.labels(role, str(bucket)).observe(seconds)
+        t = self.graph_totals.setdefault((role, bucket), [0, 0.0])
+        t[0] += 1
+        t[1] += seconds
+
+    def graph_profile(self) -> dict[str, dict]:
+        """{"role/bucket": {"calls", "total_s", "mean_ms"}}: where the engine's time went."""
+        return {f"{r}/{b}": {"calls": n, "total_s": round(s, 4), "mean_ms": round(1e3 * s / n, 3)}
+                for (r, b), (n, s) in sorted(self.graph_totals.items())}
 
     def finished(self, reason: str) -> None:
         self.requests.labels(reason).inc()

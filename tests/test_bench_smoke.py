@@ -29,6 +29,10 @@ def test_spec_report_smoke(tiny_bundles, tmp_path):
     assert d["spec"]["decode_tok_s"] > 0 and d["plain"]["decode_tok_s"] > 0
     assert d["spec"]["generated_tokens"] > 0 and d["K"] == 1
     assert len(d["acceptance"]["per_position_acceptance_rate"]) == 1
+    # per-graph profile of the measured runs: every speculative round is one verify (K=1: no draft_step)
+    assert d["graphs"]["target_verify/1"]["calls"] == d["acceptance"]["num_drafts"]
+    assert d["graphs"]["target_decode/1"]["calls"] > 0 and "draft_step/1" not in d["graphs"]
+    assert res["machine"]["threads"] == 1
     assert res["transformers"]["float32"]["decode_tok_s"] > 0
     assert res["summary"]["best_k"] == 1 and "runtime_vs_transformers" in res["summary"]
     assert res["builds"]["k1"]["compiled"] == 0  # every graph came from the compile cache

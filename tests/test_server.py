@@ -216,6 +216,11 @@ def test_metrics_match_requests(server):
     steps = d['eagle3_step_latency_seconds_count{kind="speculative"}'] + d.get(
         'eagle3_step_latency_seconds_count{kind="decode"}', 0)
     assert steps > 0 and after["eagle3_num_requests_running"] == 0 and after["eagle3_num_requests_waiting"] == 0
+    # per-graph latency: one target_prefill per request, one verify per speculative round; K=3 -> 2 draft steps
+    calls = {k.split("{")[1].rstrip("}"): v for k, v in d.items() if k.startswith("eagle3_graph_latency_seconds_count")}
+    assert sum(v for k, v in calls.items() if 'role="target_prefill"' in k) == 3
+    assert sum(v for k, v in calls.items() if 'role="target_verify"' in k) == drafts
+    assert sum(v for k, v in calls.items() if 'role="draft_step"' in k) == 2 * drafts
 
 
 def test_queue_full_503(bundle):
