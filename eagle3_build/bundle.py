@@ -211,7 +211,6 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         args = (weights, kv, *example)
         with small_matmul_rows(small_rows):
             outs = backend.output_specs(module, args)
-        with small_matmul_rows(small_rows):
             ep = torch.export.export(module, args, strict=False)
         key = graph_key(ep, fields)
         outputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, (s, x) in zip(OUTPUT_NAMES[spec.role], outs)]
