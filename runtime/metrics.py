@@ -35,7 +35,6 @@ class Metrics:
                                       ["kind"], buckets=LATENCY_BUCKETS, registry=r)
         self.graph_latency = Histogram("eagle3_graph_latency_seconds", "Compiled graph call latency by role and bucket",
                                        ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
-        self.graph_totals: dict[tuple[str, int], list] = {}  # (role, bucket) -> [calls, seconds], for reports
         self.ttft = Histogram("eagle3_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self._drafts = self._accepted = 0
@@ -60,14 +59,24 @@ class Metrics:
 
     def record_graph(self, role: str, bucket: int, seconds: float) -> None:
         self.graph_latency.labels(role, str(bucket)).observe(seconds)
-        t = self.graph_totals.setdefault((role, bucket), [0, 0.0])
-        t[0] += 1
-        t[1] += seconds
 
-    def graph_profile(self) -> dict[str, dict]:
-        """{"role/bucket": {"calls", "total_s", "mean_ms"}}: where the engine's time went."""
-        return {f"{r}/{b}": {"calls": n, "total_s": round(s, 4), "mean_ms": round(1e3 * s / n, 3)}
-                for (r, b), (n, s) in sorted(self.graph_totals.items())}
+    def graph_profile(self, since: dict | None = None) -> dict[str, dict]:
+        """{"role/bucket": {"calls", "total_s", "mean_ms"}} from the graph-latency histogram: where the
+        engine's time went (minus an earlier profile `since`)."""
+        acc: dict[str, list] = {}
+        for metric in self.graph_latency.collect():
+            for smp in metric.samples:
+                kind = smp.name.rsplit("_", 1)[-1]
+                if kind in ("count", "sum"):
+                    key = f"{smp.labels['role']}/{smp.labels['bucket']}"
+                    acc.setdefault(key, [0, 0.0])[kind == "sum"] += smp.value
+        out = {}
+        for key, (n, t) in sorted(acc.items()):
+            if since and key in since:
+                n, t = n - since[key]["calls"], t - since[key]["total_s"]
+            if n > 0:
+                out[key] = {"calls": int(n), "total_s": round(t, 4), "mean_ms": round(1e3 * t / n, 3)}
+        return out
 
     def finished(self, reason: str) -> None:
         self.requests.labels(reason).inc()
