@@ -7,9 +7,11 @@ On one tiny pair (make-tiny-pair, K 3, one prefill bucket, batch 1: 6 graphs):
   2. cold build, --jobs 2 (empty compile cache B)
   3. warm rebuild (cache B again): graphs compiled (goal 0) and wall time (goal <= 10 s)
   4. decode tokens/s on the same prompts, greedy, 1 CPU thread each: aoti bundle vs export bundle
-     (both through the runtime Engine, speculative and plain) vs transformers eager `generate()`.
+     (both through the runtime Engine, speculative and plain) vs transformers eager `generate()`, float32.
+     Measured by spec_report.py's measure_runtime / measure_transformers (decode tok/s = tokens after the
+     first / time after the first; per prompt the median of --repeats passes).
 Goals (issue 5): jobs 2 >= 1.6x faster than jobs 1 on 2 cores; aoti decode >= 3x transformers eager.
-Prints a table and writes JSON. Numbers are medians over --repeats prompt passes.
+Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, backend: str, jobs: int
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "eagle3_build.cli", "compile", str(recipe), "--out", str(out),
                         "--backend", backend, "--jobs", str(jobs), "--json", "--no-verify"],
-                       capture_output=True, text=True, env=env)
+                       capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         sys.exit(f"compile failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
@@ -37,45 +38,12 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, backend: str, jobs: int
     return {"wall_s": round(wall, 2), "compiled": built["compiled"], "cached": built["cached"]}
 
 
-def decode_speed(bundle: Path, prompts: list[list[int]], max_tokens: int, speculative: bool) -> dict:
-    from eagle3_runtime.bundle import Bundle
-    from eagle3_runtime.engine import Engine
-
-    engine = Engine(Bundle(bundle))
-    engine.generate(prompts[0], 8, speculative=speculative)  # warm-up
-    rates, accepted = [], []
-    for ids in prompts:
-        t0 = time.perf_counter()
-        g = engine.generate(ids, max_tokens, speculative=speculative)
-        rates.append(len(g.token_ids) / (time.perf_counter() - t0))
-        if speculative and g.stats.num_drafts:
-            accepted.append(g.stats.mean_acceptance_length)
-    out = {"tok_s": round(statistics.median(rates), 1)}
-    if accepted:
-        out["acceptance_length"] = round(statistics.mean(accepted), 2)
-    return out
-
-
-def hf_speed(target: Path, prompts: list[list[int]], max_tokens: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
-    rates = []
-    for ids in prompts:
-        t0 = time.perf_counter()
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False)
-        rates.append((out.shape[1] - len(ids)) / (time.perf_counter() - t0))
-    return {"tok_s": round(statistics.median(rates), 1)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("artifacts/build-bench"))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--save-result", type=Path, default=None)
     ap.add_argument("--phases", default="build,decode", help="comma list: build, decode")
     args = ap.parse_args()
@@ -106,30 +74,38 @@ def main() -> None:
 
     import random
 
+    from eagle3_runtime.bundle import read_manifest
+    from spec_report import measure_runtime, measure_transformers
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(root / "aoti-j2" / "tokenizer" / "tokenizer.json"))
     rng = random.Random(0)
-    words = "the a fox dog runs over under quick lazy brown river city night day light".split()
+    words = ["the", "a", "fox", "dog", "runs", "over", "under", "quick", "lazy", "brown", "river", "city", "night",
+             "day", "light"]
     prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(12))).ids for _ in range(args.num_prompts)]
-    res["decode"] = {
-        "aoti_spec": decode_speed(root / "aoti-j2", prompts, args.max_tokens, True),
-        "aoti_plain": decode_speed(root / "aoti-j2", prompts, args.max_tokens, False),
-        "export_spec": decode_speed(root / "export", prompts, args.max_tokens, True),
-        "export_plain": decode_speed(root / "export", prompts, args.max_tokens, False),
-        "transformers_eager": hf_speed(recipe.parent / "target", prompts, args.max_tokens),
-    }
-    d = res["decode"]
-    hf = d["transformers_eager"]["tok_s"]
-    res["ratios"] = {"aoti_spec_vs_transformers": round(d["aoti_spec"]["tok_s"] / hf, 2),
-                     "aoti_plain_vs_transformers": round(d["aoti_plain"]["tok_s"] / hf, 2),
-                     "aoti_spec_vs_export_spec": round(d["aoti_spec"]["tok_s"] / d["export_spec"]["tok_s"], 2)}
+
+    aoti = measure_runtime(root / "aoti-j2", prompts, args.max_tokens, args.repeats)
+    export = measure_runtime(root / "export", prompts, args.max_tokens, args.repeats)
+    eos = list(read_manifest(root / "aoti-j2").eos_token_ids)
+    hf_res, _ = measure_transformers(recipe.parent / "target", "float32", prompts, args.max_tokens, eos, args.repeats)
+    for m in (aoti, export):
+        del m["_tokens"]
+    res["decode"] = {"aoti": aoti, "export": export, "transformers_eager": hf_res}
+    rate = {"aoti_spec": aoti["spec"]["decode_tok_s"], "aoti_plain": aoti["plain"]["decode_tok_s"],
+            "export_spec": export["spec"]["decode_tok_s"], "export_plain": export["plain"]["decode_tok_s"],
+            "transformers_eager": hf_res["decode_tok_s"]}
+    hf = rate["transformers_eager"]
+    res["ratios"] = {"aoti_spec_vs_transformers": round(rate["aoti_spec"] / hf, 2),
+                     "aoti_plain_vs_transformers": round(rate["aoti_plain"] / hf, 2),
+                     "aoti_spec_vs_export_spec": round(rate["aoti_spec"] / rate["export_spec"], 2)}
     if "jobs2_speedup" in res:
         res["ratios"]["jobs2_vs_jobs1_build"] = res["jobs2_speedup"]
     _print_builds(res)
     print(f"\n{'decode (greedy, 1 thread)':<28}{'tok/s':>10}{'accept len':>12}")
-    for k, v in d.items():
-        print(f"{k:<28}{v['tok_s']:>10.1f}{v.get('acceptance_length', ''):>12}")
+    for k, v in rate.items():
+        m = res["decode"].get(k.split("_")[0], {})
+        acc = m.get("acceptance", {}).get("mean_acceptance_length") if k.endswith("_spec") else None
+        print(f"{k:<28}{v:>10.1f}{acc if acc is not None else '':>12}")
     for k, v in res["ratios"].items():
         print(f"{k}: {v:.2f}x")
     _save(res, args.save_result)

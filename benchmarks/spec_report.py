@@ -68,7 +68,6 @@ GOALS = {"spec_vs_plain": 1.6, "runtime_vs_transformers": 3.0, "cold_start_vs_co
 CHILD_TAG = "SPEC_REPORT_CHILD "
 
 
-THREADS = 1  # torch CPU threads of every contender (--threads)
 
 
 def log(msg: str) -> None:
@@ -252,26 +251,26 @@ def measure_transformers(target: Path, dtype: str, prompts: list[list[int]], max
 
 # -------------------------------------------------------------------------------------------- cold start
 
-def _run_cli_cmd(bundle: Path, prompt: str, chat: bool) -> list[str]:
-    return ["-m", "eagle3_runtime.cli", str(bundle), "--prompt", prompt, "--max-tokens", "1", "--threads", str(THREADS),
+def _run_cli_cmd(bundle: Path, prompt: str, chat: bool, threads: int) -> list[str]:
+    return ["-m", "eagle3_runtime.cli", str(bundle), "--prompt", prompt, "--max-tokens", "1", "--threads", str(threads),
             "--json"] + (["--chat"] if chat else [])
 
 
-def cold_prebuilt(bundle: Path, prompt: str, chat: bool, runs: int) -> dict:
+def cold_prebuilt(bundle: Path, prompt: str, chat: bool, runs: int, threads: int) -> dict:
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, *_run_cli_cmd(bundle, prompt, chat)], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, *_run_cli_cmd(bundle, prompt, chat, threads)], capture_output=True, text=True,
                            cwd=REPO, check=False)
         times.append(time.perf_counter() - t0)
         if r.returncode != 0:
             sys.exit(f"eagle3-run failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return {"command": f"python {' '.join(_run_cli_cmd(bundle, prompt, chat))}", "runs_s": [round(t, 3) for t in times],
+    return {"command": f"python {' '.join(_run_cli_cmd(bundle, prompt, chat, threads))}", "runs_s": [round(t, 3) for t in times],
             "median_s": round(statistics.median(times), 3)}
 
 
 def cold_compile(recipe: Path, pair: str | None, k: int, backend: str, prompt: str, chat: bool, jobs: int | None,
-                 work: Path, runs: int, keep_cache: Path | None = None) -> dict:
+                 work: Path, runs: int, threads: int, keep_cache: Path | None = None) -> dict:
     """Fresh process: build the bundle with an empty compile cache, then load it and produce one token.
     keep_cache: use this (new or empty) directory as the empty cache and keep it afterwards (one run)."""
     if keep_cache is not None:
@@ -285,7 +284,7 @@ def cold_compile(recipe: Path, pair: str | None, k: int, backend: str, prompt: s
             cache = keep_cache or tmp / "cache"
             env = dict(os.environ, EAGLE3_BUILD_CACHE=str(cache))
             cmd = [sys.executable, str(Path(__file__).resolve()), str(recipe), "--k", str(k), "--backend", backend,
-                   "--cold-child", str(tmp / "bundle"), "--cold-prompt", prompt, "--threads", str(THREADS)] + (["--pair", pair] if pair else []) \
+                   "--cold-child", str(tmp / "bundle"), "--cold-prompt", prompt, "--threads", str(threads)] + (["--pair", pair] if pair else []) \
                 + ([] if chat else ["--no-chat"]) + (["--jobs", str(jobs)] if jobs else [])
             t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
@@ -313,7 +312,7 @@ def cold_child(args) -> int:
     t1 = time.perf_counter()
     from eagle3_runtime.cli import main as run_main
 
-    cmd = _run_cli_cmd(Path(args.cold_child), args.cold_prompt, not args.no_chat)[2:]
+    cmd = _run_cli_cmd(Path(args.cold_child), args.cold_prompt, not args.no_chat, args.threads)[2:]
     rc = run_main(cmd)
     t2 = time.perf_counter()
     print(CHILD_TAG + json.dumps({"build_s": round(t1 - t0, 2), "load_first_token_s": round(t2 - t1, 3),
@@ -323,7 +322,7 @@ def cold_child(args) -> int:
 
 # --------------------------------------------------------------------------------------------------- output
 
-def machine() -> dict:
+def machine(threads: int) -> dict:
     cpu = platform.processor()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -332,7 +331,7 @@ def machine() -> dict:
         pass
     import torch
 
-    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": THREADS, "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
@@ -563,14 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    global THREADS
-    THREADS = args.threads
     if args.cold_child:
         return cold_child(args)
 
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"machine": machine(), "recipe": str(args.recipe), "k": args.k, "phases": sorted(phases),
+    res: dict = {"machine": machine(args.threads), "recipe": str(args.recipe), "k": args.k, "phases": sorted(phases),
                  "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else None,
                  "notes": list(args.note)}
     recipe_pair = load_pair(args.recipe, args.pair, None, args.backend)
@@ -658,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     cold: dict = {"k": cold_k, "prompt": texts[0]}
     if "cold" in phases:
         log(f"cold start, K={cold_k}: {args.cold_runs} fresh eagle3-run processes on the prebuilt bundle")
-        cold["prebuilt"] = cold_prebuilt(full, texts[0], chat, args.cold_runs)
+        cold["prebuilt"] = cold_prebuilt(full, texts[0], chat, args.cold_runs, args.threads)
         log(f"  prebuilt: median {cold['prebuilt']['median_s']:.2f}s")
     if args.compile_result is not None:
         prev = json.loads(args.compile_result.read_text())
@@ -672,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"cold start, K={cold_k}: compile with an empty cache, then load -> first token "
             f"({args.compile_runs} run(s), each a full compile of every graph)")
         cold["compile_then_load"] = cold_compile(args.recipe, args.pair, cold_k, args.backend, texts[0], chat,
-                                                 args.jobs, args.out, args.compile_runs, args.compile_cache)
+                                                 args.jobs, args.out, args.compile_runs, args.threads, args.compile_cache)
     if "prebuilt" in cold or "compile_then_load" in cold:
         res["cold_start"] = cold
     if "prebuilt" in cold and "compile_then_load" in cold:

@@ -35,7 +35,6 @@ from .errors import UserError
 from .graphs import OUTPUT_NAMES, GraphSpec, build_graph_module, plan_graphs, step_inputs
 from .graphs import model_weight_names
 from .models.eagle3 import draft_layout
-from .models.linear import small_matmul_rows
 from .models.llama import llama_layout
 from .pair import build_draft, build_target, check_pair, check_target
 from .recipe import PairRecipe
@@ -188,8 +187,6 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
-    small_rows = backend.small_matmul_rows(pair.dtype) if hasattr(backend, "small_matmul_rows") else 0
-    common["small_matmul_rows"] = small_rows
     for spec in (specs if specs is not None else graph_plan(pair)):
         model = bm.models[spec.model][0]
         module, pnames = build_graph_module(spec, model)
@@ -209,9 +206,8 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         kv = torch.zeros(bm.state[spec.model].shape, dtype=dtype)
         example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
         args = (weights, kv, *example)
-        with small_matmul_rows(small_rows):
-            outs = backend.output_specs(module, args)
-            ep = torch.export.export(module, args, strict=False)
+        outs = backend.output_specs(module, args)
+        ep = torch.export.export(module, args, strict=False)
         key = graph_key(ep, fields)
         outputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, (s, x) in zip(OUTPUT_NAMES[spec.role], outs)]
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs]})

@@ -195,7 +195,10 @@ def test_corrupt_cache_entry_is_recompiled(world, pair, tmp_path):
 def test_ctrl_c_stops_cleanly(pair, tmp_path):
     """SIGINT during a parallel build: workers stopped, staging and bundle temp dirs removed, exit 130."""
     cache, art = tmp_path / "cache", tmp_path / "art"
-    code = ("import sys; from eagle3_build.cli import main; sys.argv = ['eagle3-build', 'compile', sys.argv[1], "
+    # Ctrl-C handler installed explicitly: a test run started in the background (`pytest &`, nohup) has SIGINT
+    # ignored, the child inherits that, and Python only installs its handler over the default disposition
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from eagle3_build.cli import main; sys.argv = ['eagle3-build', 'compile', sys.argv[1], "
             "'--out', sys.argv[2], '--jobs', '2', '--json']; sys.exit(main())")
     env = dict(os.environ, EAGLE3_BUILD_CACHE=str(cache))
     p = subprocess.Popen([sys.executable, "-c", code, str(pair), str(art / "b")], stdout=subprocess.PIPE,

@@ -2,15 +2,19 @@
 """Train the demo EAGLE3 draft for SmolLM2-135M-Instruct (EAGLE-3 training-time test), speculators format.
 
     python training/train_eagle3_draft.py            # data (cached) + training + eval + save
+    python training/train_eagle3_draft.py --extra-data 48a5e394a107 --max-train-minutes 45   # the committed run
     python training/train_eagle3_draft.py --eval-only
 
 What it does (every step seeded; see training/README.md for the numbers of the committed run):
 
 1. Target: the demo target converted by `eagle3-build fetch-demo-target` (artifacts/smollm2-135m-instruct,
-   fetched here if missing), loaded with transformers in bfloat16 (the demo bundle's dtype; AMX makes
-   batched bf16 generation ~5x faster than fp32 on these CPUs).
-2. Prompts: templated instructions built from word lists in this file (no dataset download); a
-   disjoint held-out set is drawn from the same generator for evaluation.
+   fetched here if missing), loaded with transformers in bfloat16 (AMX makes batched bf16 generation
+   ~5x faster than fp32 on these CPUs; the demo bundle serves float32).
+2. Prompts: templated instructions (40 templates) filled from word lists in this file, each with one of 15
+   style suffixes ("Keep it short.", "Use a numbered list.", ...) so that no template runs out of unique
+   prompts and every chunk has the same template mix (no dataset download); a disjoint held-out set is
+   drawn from the same generator for evaluation. `--extra-data KEY` adds the chunks of an earlier data
+   directory (the committed run adds the previous generator's 5 chunks, see training/README.md).
 3. Responses: the target's own greedy answers (chat template, batched transformers generate, left
    padding), cut at <|im_end|>. The aux states are captured during generation (output_hidden_states):
    the residual stream ENTERING target layers (2, 15, 27) = HF hidden_states[k], the EAGLE3 default
@@ -103,7 +107,13 @@ COMPARE = [("cats", "dogs"), ("tea", "coffee"), ("summer", "winter"), ("books", 
            ("the sun", "the moon"), ("cities", "villages"), ("email", "letters"), ("walking", "cycling"),
            ("rivers", "lakes"), ("apples", "oranges"), ("mountains", "beaches")]
 
-WORD_LISTS = [ANIMALS, PEOPLE, PLACES, TOPICS, FOODS, SKILLS, THINGS, COUNTRIES, ADJS, GOALS, COMPARE]  # in the data key
+# Appended to every prompt: multiplies each template's fillings (no template runs out of unique prompts, so every
+# chunk keeps the templates' mix, like the held-out split) and varies the answers' form.
+STYLES = ["", "", "", " Keep it short.", " Use simple words.", " Answer in one paragraph.", " Use a numbered list.",
+          " Give an example.", " Explain step by step.", " Keep it under 100 words.", " Make it fun.",
+          " Be specific.", " Write it for a beginner.", " Use three sentences.", " End with a question."]
+
+WORD_LISTS = [ANIMALS, PEOPLE, PLACES, TOPICS, FOODS, SKILLS, THINGS, COUNTRIES, ADJS, GOALS, COMPARE, STYLES]  # in the data key
 
 TEMPLATES = [
     "Write a short story about a {adj} {animal} who wants to {goal}.",
@@ -134,6 +144,18 @@ TEMPLATES = [
     "Where does the {animal} live and what does it eat?",
     "Write a short dialogue between a {person} and a {animal}.",
     "Why do people like {thing}?",
+    "Write a short email to a {person} asking for help to {skill}.",
+    "What are the pros and cons of {a} versus {b}?",
+    "Plan a one-day trip to {country}.",
+    "What should I pack for a trip to {place}?",
+    "Write a short news report about a {adj} {animal} found in {place}.",
+    "How would a {person} explain {topic}?",
+    "What are common mistakes people make when they {skill}?",
+    "Write a short motivational message for someone who wants to {skill}.",
+    "Give me a weekly plan to {skill}.",
+    "What are three questions a student might ask about {topic}?",
+    "Write a product description for {food}.",
+    "Describe {thing} using the five senses.",
 ]
 
 
@@ -142,7 +164,7 @@ def _fill(template: str, rng: random.Random) -> str:
     return template.format(adj=rng.choice(ADJS), animal=rng.choice(ANIMALS), goal=rng.choice(GOALS),
                            person=rng.choice(PEOPLE), place=rng.choice(PLACES), thing=rng.choice(THINGS),
                            topic=rng.choice(TOPICS), skill=rng.choice(SKILLS), food=rng.choice(FOODS),
-                           country=rng.choice(COUNTRIES), a=a, b=b)
+                           country=rng.choice(COUNTRIES), a=a, b=b) + rng.choice(STYLES)
 
 
 def make_prompts(n_train: int, n_eval: int, seed: int) -> tuple[list[str], list[str]]:
@@ -221,7 +243,7 @@ def data_key(args) -> str:
     marker = json.loads((Path(args.target) / "eagle3_demo.json").read_text()) if (
         Path(args.target) / "eagle3_demo.json").exists() else {}
     spec = {"chunk": CHUNK, "n_eval": args.n_eval, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-            "aux": AUX_LAYER_IDS, "templates": TEMPLATES, "words": WORD_LISTS, "format": 3, "wheel": marker.get("wheel_sha256"),
+            "aux": AUX_LAYER_IDS, "templates": TEMPLATES, "words": WORD_LISTS, "format": 4, "wheel": marker.get("wheel_sha256"),
             "dtype": "bfloat16"}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -291,6 +313,32 @@ def build_data(args, log, only: list[int] | None = None) -> tuple[dict, dict, di
             "train": {k: round(sum(i[k] for i in infos), 1) for k in infos[0]}}
     meta_path.write_text(json.dumps(meta, indent=2))
     return train, parts[0], meta
+
+
+def data_dir(ref: str) -> Path:
+    """A data directory: a path, or a data key under artifacts/eagle3-train-data/."""
+    d = Path(ref) if Path(ref).is_dir() else DATA_ROOT / ref
+    if not (d / "meta.json").exists() and not any(d.glob("train-*.safetensors")):
+        raise SystemExit(f"--extra-data/--heldout-from {ref}: no training data there (looked in {d})")
+    return d
+
+
+def extra_train(ref: str, exclude: set[str], log) -> tuple[list, list, dict]:
+    """Every training chunk of another data directory (an earlier prompt generator's data), minus any
+    sequence whose prompt is in `exclude` (this run's held-out prompts)."""
+    d = data_dir(ref)
+    seqs, prompts = [], []
+    for path in sorted(d.glob("train-*.safetensors")):
+        part = load_split(path)
+        for x, p in zip(part["seqs"], part["prompts"]):
+            if p not in exclude:
+                seqs.append(x)
+                prompts.append(p)
+    n_resp = sum(len(x["tokens"]) - x["P"] for x in seqs)
+    info = {"key": d.name, "prompts": len(seqs), "response_tokens": n_resp,
+            "total_tokens": sum(len(x["tokens"]) for x in seqs)}
+    log(f"extra data {d.name}: {len(seqs)} sequences ({n_resp} response tokens)")
+    return seqs, prompts, info
 
 
 # ----------------------------------------------------------------------------- draft vocab
@@ -534,7 +582,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(DEFAULT_TARGET))
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-chunks", type=int, default=5, help=f"training data: chunks of {CHUNK} prompts each")
+    ap.add_argument("--train-chunks", type=int, default=6, help=f"training data: chunks of {CHUNK} prompts each")
     ap.add_argument("--n-eval", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gen-batch", type=int, default=64)
@@ -561,6 +609,11 @@ def main(argv=None) -> int:
                     help="comma-separated training chunk indices: generate only these and stop (run several "
                          "processes with disjoint chunks to use several cores)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the saved draft on the held-out set")
+    ap.add_argument("--extra-data", action="append", default=[], metavar="KEY",
+                    help="also train on every chunk of this data directory (a key under "
+                         "artifacts/eagle3-train-data/ or a path), minus this run's held-out prompts; repeatable")
+    ap.add_argument("--heldout-from", default=None, metavar="KEY",
+                    help="with --eval-only: evaluate on that data directory's held-out split instead")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -578,6 +631,16 @@ def main(argv=None) -> int:
         build_data(args, log, only=[int(c) for c in args.gen_chunks.split(",")])
         return 0
     train, heldout, meta = build_data(args, log)
+    extras = []
+    for ref in args.extra_data:
+        seqs, prompts, info = extra_train(ref, set(heldout["prompts"]), log)
+        train["seqs"] += seqs
+        train["prompts"] += prompts
+        extras.append(info)
+    if args.heldout_from:
+        if not args.eval_only:
+            raise SystemExit("--heldout-from only goes with --eval-only (training evaluates on its own held-out split)")
+        heldout = load_split(data_dir(args.heldout_from) / "eval.safetensors")
     n_resp = sum(len(s["tokens"]) - s["P"] for s in train["seqs"])
     log(f"data: {len(train['seqs'])} train sequences ({n_resp} response tokens), {len(heldout['seqs'])} held out")
     if args.data_only:
@@ -698,7 +761,10 @@ def main(argv=None) -> int:
         "data": {"train_prompts": meta["n_train"], "heldout_prompts": meta["n_eval"],
                  "train_response_tokens": meta["train"]["response_tokens"],
                  "train_total_tokens": meta["train"]["total_tokens"], "max_new_tokens": meta["max_new_tokens"],
-                 "generation": "greedy, transformers bf16, chat template", "generate_s": meta["train"]["generate_s"]},
+                 "generation": "greedy, transformers bf16, chat template", "generate_s": meta["train"]["generate_s"],
+                 "data_key": data_key(args), "extra": extras,
+                 "total_train_prompts": meta["n_train"] + sum(e["prompts"] for e in extras),
+                 "total_train_response_tokens": meta["train"]["response_tokens"] + sum(e["response_tokens"] for e in extras)},
         "draft_vocab": args.draft_vocab, "draft_vocab_coverage": round(coverage, 4),
         "draft_vocab_heldout_coverage": round(held_cov, 4), "ttt_steps": args.ttt,
         "steps": s, "epochs": round(s / steps_per_epoch, 2), "batch_tokens": args.batch_tokens, "lr": args.lr,

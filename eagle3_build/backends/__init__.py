@@ -1,8 +1,7 @@
 """Backends turn an exported graph (torch.export.ExportedProgram) into a graph file. Each exposes
 NAME, SUFFIX, JOB_MEMORY_GB (per parallel compile job), version(), key_fields() (what enters the
 compile-cache key besides the graph), toolchain() (extra manifest entries),
-output_specs(module, example_args) and compile_exported(ep, out_path, key) -> info dict; optionally
-small_matmul_rows(dtype) (how projections are traced: eagle3_build/models/linear.py; default 0).
+output_specs(module, example_args) and compile_exported(ep, out_path, key) -> info dict.
 
 `preflight` runs before anything heavy (no torch import), so a missing SDK fails in well under a second.
 """

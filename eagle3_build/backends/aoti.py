@@ -45,15 +45,10 @@ class AotiBackend:
             raise UserError("backend_options.device cuda: this machine has no CUDA device (or torch is a CPU "
                             "build); build on a GPU host or use device: cpu")
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
-        rows = opts.pop("small_matmul_rows", None)
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
-            raise UserError(f"backend_options.small_matmul_rows {rows!r}: give a whole number >= 0 (the most "
-                            "token rows a projection is written as row dot-products for; 0 = always matmul)")
-        self.small_rows_option = rows
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
         if opts:
             raise UserError(f"backend_options {sorted(opts)} are not understood by backend aoti "
-                            "(it takes device, inductor_configs and small_matmul_rows)")
+                            "(it takes device and inductor_configs)")
 
     def version(self) -> str:
         return torch.__version__
@@ -63,14 +58,6 @@ class AotiBackend:
             major, minor = torch.cuda.get_device_capability()
             return f"cuda:sm_{major}{minor}"
         return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
-
-    def small_matmul_rows(self, dtype: str) -> int:
-        """Projections of at most this many token rows are traced as row dot-products
-        (eagle3_build/models/linear.py). Experimental, off unless backend_options.small_matmul_rows is
-        set: alone, one projection runs at weight-read speed for 1-8 rows; inside a whole model graph
-        Inductor fuses it with its neighbours and vectorises across the rows instead (measured: SmolLM2
-        verify b1 800 ms vs 110 ms with the GEMM), see the module doc."""
-        return self.small_rows_option or 0
 
     def key_fields(self) -> dict:
         return {"name": NAME, "version": self.version(), "target": self.target(),
