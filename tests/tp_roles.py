@@ -93,6 +93,10 @@ def main():
     if rank == 0:
         save_file({k: v.contiguous() for k, v in outs.items()}, out_path)
     if world > 1:
+        # every rank reaches teardown together (as runtime/tp.py's shutdown does): a rank destroying its gloo
+        # group while a peer still holds the connection once aborted ("terminate called without an active
+        # exception", SIGABRT on rank 1 after all outputs were computed)
+        dist.barrier()
         dist.destroy_process_group()
 
 
