@@ -68,8 +68,6 @@ GOALS = {"spec_vs_plain": 1.6, "runtime_vs_transformers": 3.0, "cold_start_vs_co
 CHILD_TAG = "SPEC_REPORT_CHILD "
 
 
-
-
 def log(msg: str) -> None:
     print(f"[spec-report {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
