@@ -627,24 +627,27 @@ def main(argv=None) -> int:
         from eagle3_build.demo import fetch_demo_target
         fetch_demo_target(Path(args.target), log=log)
     cfg_t = json.loads((Path(args.target) / "config.json").read_text())
+    if args.heldout_from and not args.eval_only:
+        raise SystemExit("--heldout-from only goes with --eval-only (training evaluates on its own held-out split)")
     if args.gen_chunks:
         build_data(args, log, only=[int(c) for c in args.gen_chunks.split(",")])
         return 0
-    train, heldout, meta = build_data(args, log)
-    extras = []
-    for ref in args.extra_data:
-        seqs, prompts, info = extra_train(ref, set(heldout["prompts"]), log)
-        train["seqs"] += seqs
-        train["prompts"] += prompts
-        extras.append(info)
-    if args.heldout_from:
-        if not args.eval_only:
-            raise SystemExit("--heldout-from only goes with --eval-only (training evaluates on its own held-out split)")
-        heldout = load_split(data_dir(args.heldout_from) / "eval.safetensors")
-    n_resp = sum(len(s["tokens"]) - s["P"] for s in train["seqs"])
-    log(f"data: {len(train['seqs'])} train sequences ({n_resp} response tokens), {len(heldout['seqs'])} held out")
-    if args.data_only:
-        return 0
+    own_eval = DATA_ROOT / data_key(args) / "eval.safetensors"
+    if args.eval_only and (args.heldout_from or own_eval.exists()):
+        # an eval needs only the held-out split: no training chunk is loaded (or generated)
+        heldout = load_split(data_dir(args.heldout_from) / "eval.safetensors" if args.heldout_from else own_eval)
+    else:
+        train, heldout, meta = build_data(args, log)
+        extras = []
+        for ref in args.extra_data:
+            seqs, prompts, info = extra_train(ref, set(heldout["prompts"]), log)
+            train["seqs"] += seqs
+            train["prompts"] += prompts
+            extras.append(info)
+        n_resp = sum(len(s["tokens"]) - s["P"] for s in train["seqs"])
+        log(f"data: {len(train['seqs'])} train sequences ({n_resp} response tokens), {len(heldout['seqs'])} held out")
+        if args.data_only:
+            return 0
 
     from safetensors import safe_open
     with safe_open(str(Path(args.target) / "model.safetensors"), "pt") as f:
