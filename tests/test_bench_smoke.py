@@ -2,6 +2,8 @@
 the report's JSON has every section and the PNG is written."""
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import REPO
@@ -37,3 +39,36 @@ def test_spec_report_smoke(tiny_bundles, tmp_path):
     assert res["summary"]["best_k"] == 1 and "runtime_vs_transformers" in res["summary"]
     assert res["builds"]["k1"]["compiled"] == 0  # every graph came from the compile cache
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def _run_bench(script: str, *args: str) -> dict:
+    r = _bench(script, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_graph_latency_smoke(tiny_bundles, tmp_path):
+    """Two bundles side by side (the same one twice): every batch-bucket graph timed for each."""
+    _, bundle = tiny_bundles.get("speculators", 3)
+    res = _run_bench("graph_latency.py", str(bundle), str(bundle), "--repeats", "2", "--position", "8",
+                        "--save-result", str(tmp_path / "g.json"))
+    assert json.loads((tmp_path / "g.json").read_text()) == res
+    assert {"target_verify_b1", "target_decode_b1", "draft_step_b1", "draft_catchup_b1"} <= set(res["graphs"])
+    assert all(len(v) == 2 and v[0]["ratio_to_first"] == 1.0 and v[1]["median_ms"] > 0 for v in res["graphs"].values())
+    bad = _bench("graph_latency.py", str(bundle), "--graphs", "no_such_graph")
+    assert bad.returncode != 0 and "no_such_graph" in bad.stderr
+
+
+def test_linear_layout_smoke(tmp_path):
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = _run_bench("linear_layout.py", "--config", str(tmp_path / "config.json"), "--rows", "1,4,16",
+                        "--repeats", "2")
+    assert res["projections"] == 2 * 7 + 1 and [r["rows"] for r in res["results"]] == [1, 4, 16]
+    assert all(r["linear_ms"] > 0 and r["weight_stationary_ms"] > 0 for r in res["results"])

@@ -635,7 +635,11 @@ def main(argv=None) -> int:
     own_eval = DATA_ROOT / data_key(args) / "eval.safetensors"
     if args.eval_only and (args.heldout_from or own_eval.exists()):
         # an eval needs only the held-out split: no training chunk is loaded (or generated)
-        heldout = load_split(data_dir(args.heldout_from) / "eval.safetensors" if args.heldout_from else own_eval)
+        path = data_dir(args.heldout_from) / "eval.safetensors" if args.heldout_from else own_eval
+        if not path.exists():
+            raise SystemExit(f"--heldout-from {args.heldout_from}: {path} does not exist (that data directory has "
+                             "no held-out split; pass the key of a directory this script generated)")
+        heldout = load_split(path)
     else:
         train, heldout, meta = build_data(args, log)
         extras = []

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..sharding import Layout
+from .linear import Linear
 from .llama import MLP, Attention, Comm, RMSNorm, Rope, VocabEmbedding, vocab_parallel_logits
 
 
@@ -76,10 +77,10 @@ class Eagle3Draft(nn.Module):
             self.input_norm = RMSNorm(3 * Hin_p, a.rms_norm_eps, 3 * Hin)
         if a.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(Hin_p, a.rms_norm_eps, Hin) for _ in range(3))
-        self.fc = nn.Linear(3 * Hin_p, Hp, bias=False)  # replicated
+        self.fc = Linear(3 * Hin_p, Hp, bias=False)  # replicated
         self.midlayer = Eagle3Layer(a, L, comm)
         self.norm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
-        self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)  # vocab-parallel over the draft vocab
+        self.lm_head = Linear(Hp, L.vocab_per_rank, bias=False)  # vocab-parallel over the draft vocab
         if a.has_d2t:
             self.register_buffer("d2t", torch.empty(a.draft_vocab_size, dtype=torch.int64))
         self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..sharding import Layout
+from .linear import Linear
 from .llama import (
     Comm,
     DecoderStack,
@@ -131,10 +132,10 @@ class Attention(nn.Module):
         H, Hkv, d, Hp = L.heads_per_rank, L.kv_heads_per_rank, a.head_dim, L.padded_hidden
         self.n_heads, self.n_kv, self.head_dim, self.window, self.comm = H, Hkv, d, window, comm
         self.scale = d ** -0.5
-        self.q_proj = nn.Linear(Hp, H * d, bias=a.attention_bias)
-        self.k_proj = nn.Linear(Hp, Hkv * d, bias=a.attention_bias)
-        self.v_proj = nn.Linear(Hp, Hkv * d, bias=a.attention_bias)
-        self.o_proj = nn.Linear(H * d, Hp, bias=a.attention_bias)
+        self.q_proj = Linear(Hp, H * d, bias=a.attention_bias)
+        self.k_proj = Linear(Hp, Hkv * d, bias=a.attention_bias)
+        self.v_proj = Linear(Hp, Hkv * d, bias=a.attention_bias)
+        self.o_proj = Linear(H * d, Hp, bias=a.attention_bias)
         self.sinks = nn.Parameter(torch.empty(H))
 
     def forward(self, x, cos, sin, kv, layer, rows, positions, prefill):
@@ -192,7 +193,7 @@ class MoE(nn.Module):
     def __init__(self, a: GptOssArgs, L: Layout, comm: Comm):
         super().__init__()
         self.top_k, self.n_experts, self.comm = a.experts_per_token, a.num_experts, comm
-        self.router = nn.Linear(L.padded_hidden, a.num_experts, bias=True)  # replicated
+        self.router = Linear(L.padded_hidden, a.num_experts, bias=True)  # replicated
         self.experts = Experts(a.num_experts, L.padded_hidden, L.intermediate_per_rank, a.swiglu_limit,
                                a.swiglu_alpha)
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..sharding import Layout
+from .linear import Linear, linear
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class VocabEmbedding(nn.Module):
 def vocab_parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, comm: Comm) -> torch.Tensor:
     """Local logits over this rank's vocab rows, gathered in rank order; the zero-padded rows of short
     trailing ranks land past `vocab` and are cut off, so they can never be chosen."""
-    logits = comm.gather_last(F.linear(h, weight).float())
+    logits = comm.gather_last(linear(h, weight).float())
     return logits[..., :vocab] if logits.shape[-1] != vocab else logits
 
 
@@ -210,10 +211,10 @@ class Attention(nn.Module):
     def __init__(self, in_features: int, hidden: int, n_heads: int, n_kv: int, head_dim: int, comm: Comm):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.comm = n_heads, n_kv, head_dim, comm
-        self.q_proj = nn.Linear(in_features, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, n_kv * head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, n_kv * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.q_proj = Linear(in_features, n_heads * head_dim, bias=False)
+        self.k_proj = Linear(in_features, n_kv * head_dim, bias=False)
+        self.v_proj = Linear(in_features, n_kv * head_dim, bias=False)
+        self.o_proj = Linear(n_heads * head_dim, hidden, bias=False)
 
     def forward(self, x, cos, sin, kv, layer, rows, positions, prefill):
         b, T, _ = x.shape
@@ -229,9 +230,9 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
@@ -265,7 +266,7 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(make_layer(i, comm) for i in range(a.num_layers))
         self.norm = norm_cls(Hp, a.rms_norm_eps, L.hidden)
         if not a.tie_word_embeddings:
-            self.lm_head = nn.Linear(Hp, L.vocab_per_rank, bias=False)
+            self.lm_head = Linear(Hp, L.vocab_per_rank, bias=False)
         self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
 
     def kv_shape(self, max_num_seqs: int, max_model_len: int) -> list[int]:

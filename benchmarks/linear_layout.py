@@ -1,0 +1,93 @@
+"""Projection layout benchmark: F.linear (x @ W.T) vs weight-stationary ((W @ x.T).T, the form
+eagle3_build/models/linear.py traces into decode-sized graphs), measured side by side in one run.
+
+    python benchmarks/linear_layout.py [--config artifacts/smollm2-135m-instruct/config.json]
+        [--rows 1,2,3,4,6,8,12,16] [--threads 1] [--repeats 9] [--save-result linear_layout.json]
+
+Every projection of one forward pass of a Llama-family model (per layer q, k, v, o, gate, up, down; then
+the lm_head) with random float32 weights of the config's shapes, for x of `rows` token rows: the
+work of a decode (1 row) or verify (b * (K + 1) rows) step without attention. The two forms run
+interleaved, --repeats times each; medians in ms and the ratio F.linear / weight-stationary (> 1: the
+weight-stationary form is faster). Without --config: SmolLM2-135M's shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from eagle3_build.models.linear import SMALL_ROWS, weight_stationary
+
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "vocab_size": 49152}
+
+
+def projection_shapes(cfg: dict) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    H, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or H // heads
+    kv = (cfg.get("num_key_value_heads") or heads) * d
+    layer = [(heads * d, H), (kv, H), (kv, H), (H, heads * d), (inter, H), (inter, H), (H, inter)]
+    return layer * cfg["num_hidden_layers"], (cfg["vocab_size"], H)
+
+
+def measure(weights, rows: int, repeats: int) -> dict:
+    xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+    forms = {"linear": lambda x, w: F.linear(x, w), "weight_stationary": weight_stationary}
+    ms = {name: [] for name in forms}
+    for rep in range(repeats + 1):  # the first pass warms up and is not kept
+        for name, fn in forms.items():
+            t0 = time.perf_counter()
+            for w in weights:
+                fn(xs[w.shape[1]], w)
+            if rep:
+                ms[name].append((time.perf_counter() - t0) * 1e3)
+    med = {name: statistics.median(v) for name, v in ms.items()}
+    return {"rows": rows, "linear_ms": round(med["linear"], 2),
+            "weight_stationary_ms": round(med["weight_stationary"], 2),
+            "ratio": round(med["linear"] / med["weight_stationary"], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, help="HF config.json (default: SmolLM2-135M's shapes)")
+    ap.add_argument("--rows", default="1,2,3,4,6,8,12,16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--no-lm-head", action="store_true", help="only the layer projections")
+    ap.add_argument("--save-result", type=Path)
+    args = ap.parse_args()
+    cfg = json.loads(args.config.read_text()) if args.config else SMOLLM2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layer_shapes, head = projection_shapes(cfg)
+    shapes = layer_shapes + ([] if args.no_lm_head else [head])
+    weights = [torch.randn(n, k) for n, k in shapes]
+    mb = sum(w.numel() for w in weights) * 4 / 2**20
+    print(f"{len(weights)} projections, {mb:.0f} MiB float32, {args.threads} thread(s); "
+          f"models/linear.py uses the weight-stationary form up to {SMALL_ROWS} rows")
+    print(f"{'rows':>4} {'F.linear ms':>12} {'weight-stat. ms':>16} {'ratio':>6}")
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        r = measure(weights, rows, args.repeats)
+        results.append(r)
+        print(f"{rows:>4} {r['linear_ms']:>12.1f} {r['weight_stationary_ms']:>16.1f} {r['ratio']:>6.2f}", flush=True)
+    out = {"benchmark": "linear_layout", "config": str(args.config or "SmolLM2-135M (built in)"),
+           "projections": len(weights), "weights_mib": round(mb, 1), "threads": args.threads,
+           "repeats": args.repeats, "small_rows": SMALL_ROWS, "torch": torch.__version__,
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+           "results": results}
+    print(json.dumps(out))
+    if args.save_result:
+        args.save_result.parent.mkdir(parents=True, exist_ok=True)
+        args.save_result.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
