@@ -16,25 +16,28 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from eagle3_build.errors import CheckpointError
 from eagle3_build.models.linear import SMALL_ROWS, weight_stationary
+from eagle3_build.models.llama import llama_args
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "vocab_size": 49152}
 
 
 def projection_shapes(cfg: dict) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    H, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or H // heads
-    kv = (cfg.get("num_key_value_heads") or heads) * d
-    layer = [(heads * d, H), (kv, H), (kv, H), (H, heads * d), (inter, H), (inter, H), (H, inter)]
-    return layer * cfg["num_hidden_layers"], (cfg["vocab_size"], H)
+    """(out, in) of every layer projection, then the lm_head's, read the way the builder reads a target."""
+    a = llama_args(cfg, "target")
+    H, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    layer = [(q, H), (kv, H), (kv, H), (H, q), (a.intermediate_size, H), (a.intermediate_size, H),
+             (H, a.intermediate_size)]
+    return layer * a.num_layers, (a.vocab_size, H)
 
 
 def measure(weights, rows: int, repeats: int) -> dict:
@@ -66,7 +69,10 @@ def main() -> None:
     cfg = json.loads(args.config.read_text()) if args.config else SMOLLM2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    layer_shapes, head = projection_shapes(cfg)
+    try:
+        layer_shapes, head = projection_shapes(cfg)
+    except CheckpointError as e:
+        sys.exit(f"--config {args.config}: {e}")
     shapes = layer_shapes + ([] if args.no_lm_head else [head])
     weights = [torch.randn(n, k) for n, k in shapes]
     mb = sum(w.numel() for w in weights) * 4 / 2**20
