@@ -17,18 +17,21 @@ Layout under `$EAGLE3_BUILD_CACHE` (default `~/.cache/eagle3-build`):
                                                     toolchain's own source) were seen before, so a warm
                                                     rebuild does not even re-export
   failures/<key>.json + <key>.log                   the last failed compile of a key (never skips a compile)
-  tmp/                                              entries being written
+  tmp/<pid>-<host>-<uuid>/                          entries being written (named after their builder)
 
 Entries are written in `tmp/` and renamed into place (atomic on one filesystem, so several builders
 can share one cache directory, e.g. NFS or a CI cache, and readers need no lock). A hit is
-re-hashed before use; a corrupt entry is dropped and recompiled.
+re-hashed before use; a corrupt entry is dropped and recompiled. A build removes the `tmp/`
+directories of builders that were killed (see `stale`), never those of a build still running.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import statistics
 import time
 import uuid
@@ -46,6 +49,37 @@ def default_cache_dir() -> Path:
     if env:
         return Path(env).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "eagle3-build"
+
+
+# ------------------------------------------------------------------ scratch directories
+
+# Every temporary directory this tool makes carries its owner in its name, "<pid>-<host>" (the host as
+# a short hash), so that a later build can tell a killed build's leftovers from a running build's work.
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def owner_tag() -> str:
+    return f"{os.getpid()}-{HOST}"
+
+
+def stale(path: Path, pid: int, host: str, before: float) -> bool:
+    """Whether a scratch directory owned by (`pid`, `host`) is a dead build's: made on this host by a
+    process that is gone, and last changed before `before` (the start of the build that asks). Another
+    host's directories are never stale here (its pids mean nothing on this one)."""
+    if host != HOST or pid == os.getpid():
+        return False
+    try:
+        if path.lstat().st_mtime >= before:
+            return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # the process exists but is another user's, or the path is gone
+        return False
+    return False
+
+
+_STAGING = re.compile(r"(?:drop-)?(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[0-9a-f]{32}")
 
 
 # ------------------------------------------------------------------ keys
@@ -189,9 +223,20 @@ class CompileCache:
 
     # ---- write
     def staging_dir(self) -> Path:
-        d = self.root / "tmp" / f"{uuid.uuid4().hex}"
+        d = self.root / "tmp" / f"{owner_tag()}-{uuid.uuid4().hex}"
         d.mkdir(parents=True)
         return d
+
+    def clean_tmp(self, before: float) -> None:
+        """Remove the `tmp/` directories of builders that died (killed mid-compile), see `stale`."""
+        try:
+            entries = list((self.root / "tmp").iterdir())
+        except OSError:
+            return
+        for d in entries:
+            m = _STAGING.fullmatch(d.name)
+            if m and d.is_dir() and not d.is_symlink() and stale(d, int(m["pid"]), m["host"], before):
+                shutil.rmtree(d, ignore_errors=True)
 
     def put(self, key: str, staged: Path, meta: dict) -> Entry:
         """Move a directory of compiled files into the cache (atomically; the first writer wins)."""
@@ -246,7 +291,7 @@ class CompileCache:
 
     # ---- maintenance
     def _drop(self, d: Path) -> None:
-        trash = self.root / "tmp" / f"drop-{uuid.uuid4().hex}"
+        trash = self.root / "tmp" / f"drop-{owner_tag()}-{uuid.uuid4().hex}"
         trash.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(d, trash)
@@ -275,7 +320,7 @@ class CompileCache:
                 self._drop(e.path)
                 removed.append(e)
                 total -= e.size
-        shutil.rmtree(self.root / "tmp", ignore_errors=True)
+        self.clean_tmp(time.time())  # (a running build's staging directories stay)
         return removed
 
     def touch(self, entry: Entry) -> None:

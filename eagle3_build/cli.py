@@ -76,51 +76,89 @@ def compile_cmd(
             preflight(p.backend)
     except UserError as e:
         fail(str(e))
-    from .bundle import build_bundle
+    from .bundle import build_bundle, check_out
     from .cache import CompileCache
     from .compiler import CompileFailed
     from .progress import JsonReporter, RichReporter, emit
 
     cache = CompileCache(cache_dir)
+    if shard_ix is None:  # a destination the build may not replace is refused before any work
+        for p in pairs:
+            try:
+                check_out(out or artifacts / p.name, p,
+                          keep=[("the recipe", recipe), ("the compile cache", cache.root)])
+            except UserError as e:
+                fail(str(e))
     failed_any = False
-    for p in pairs:
-        dest = out or artifacts / p.name
-        t0 = time.perf_counter()
-        reporter = JsonReporter(p.name) if as_json else RichReporter(p.name, console)
-        if shard_ix is not None:
-            failed_any |= not _compile_shard(p, shard_ix, reporter, cache, jobs, as_json)
-            continue
-        try:
-            with reporter:
-                manifest = build_bundle(p, dest, reporter, cache=cache, jobs=jobs, require_cached=require_cached)
-        except (UserError, RecipeError) as e:
-            fail(f"pair {p.name}: {e}")
-        except CompileFailed as e:
-            failed_any = True
-            _failure_table(p.name, e, as_json)
-            continue
-        size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
-        b = manifest.build
-        secs = time.perf_counter() - t0
-        if as_json:
-            emit({"event": "built", "pair": p.name, "bundle": str(dest), "digest": manifest.digest,
-                  "graphs": len(manifest.graphs), "compiled": b["compiled"], "cached": b["cached"], "failed": 0,
-                  "seconds": round(secs, 2), "bytes": size})
+    with _StopOnSigterm():
+        for p in pairs:
+            dest = out or artifacts / p.name
+            t0 = time.perf_counter()
+            reporter = JsonReporter(p.name) if as_json else RichReporter(p.name, console)
+            if shard_ix is not None:
+                failed_any |= not _compile_shard(p, shard_ix, reporter, cache, jobs, as_json)
+                continue
+            try:
+                with reporter:
+                    manifest = build_bundle(p, dest, reporter, cache=cache, jobs=jobs, require_cached=require_cached)
+            except (UserError, RecipeError) as e:
+                fail(f"pair {p.name}: {e}")
+            except CompileFailed as e:
+                failed_any = True
+                _failure_table(p.name, e, as_json)
+                continue
+            size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+            b = manifest.build
+            secs = time.perf_counter() - t0
+            if as_json:
+                emit({"event": "built", "pair": p.name, "bundle": str(dest), "digest": manifest.digest,
+                      "graphs": len(manifest.graphs), "compiled": b["compiled"], "cached": b["cached"], "failed": 0,
+                      "seconds": round(secs, 2), "bytes": size})
+                if verify and not _verify_built(p, dest, as_json):
+                    failed_any = True
+                continue
+            t = Table(title=f"built {dest}", title_justify="left")
+            for c in ("graphs", "compiled", "cached", "failed", "time", "bundle size", "digest"):
+                t.add_column(c)
+            t.add_row(str(len(manifest.graphs)), str(b["compiled"]), str(b["cached"]), "0", f"{secs:.1f}s",
+                      f"{size / 1e6:.1f} MB", manifest.digest[:16])
+            console.print(t)
+            console.print(f"digest sha256:{manifest.digest}  (consumers pin it with --expect-digest)", highlight=False,
+                          soft_wrap=True)
+            for note in manifest.notes:
+                console.print(f"  note: {note}", highlight=False)
             if verify and not _verify_built(p, dest, as_json):
                 failed_any = True
-            continue
-        t = Table(title=f"built {dest}", title_justify="left")
-        for c in ("graphs", "compiled", "cached", "failed", "time", "bundle size", "digest"):
-            t.add_column(c)
-        t.add_row(str(len(manifest.graphs)), str(b["compiled"]), str(b["cached"]), "0", f"{secs:.1f}s",
-                  f"{size / 1e6:.1f} MB", manifest.digest[:16])
-        console.print(t)
-        for note in manifest.notes:
-            console.print(f"  note: {note}", highlight=False)
-        if verify and not _verify_built(p, dest, as_json):
-            failed_any = True
     if failed_any:
         raise typer.Exit(1)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be, so that the build's clean-up runs the same way."""
+
+
+class _StopOnSigterm:
+    """SIGTERM stops a build like Ctrl-C (workers stopped, temporary directories removed), then exits 143."""
+
+    def __enter__(self):
+        import signal
+
+        self.previous = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum, frame):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
+        raise _Terminated()
+
+    def __exit__(self, kind, exc, tb):
+        import signal
+
+        signal.signal(signal.SIGTERM, self.previous)
+        if kind is _Terminated:
+            fail("terminated (SIGTERM): the build was stopped and its temporary files removed; "
+                 "run the same command again to build", 143)
 
 
 def _verify_built(p, dest: Path, as_json: bool) -> bool:
@@ -315,6 +353,7 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         out_console.print_json(m.model_dump_json())
         return
     out_console.print(f"[bold]{m.name}[/]  schema {m.schema_version}, built {m.created_at}")
+    out_console.print(f"digest sha256:{m.digest}  (pin it: --expect-digest sha256:{m.digest})", highlight=False)
     out_console.print(f"backend {m.backend}, dtype {m.dtype}, TP {m.tp_degree}, K {m.num_speculative_tokens}, "
                       f"max_num_seqs {m.max_num_seqs}, max_model_len {m.max_model_len}")
     out_console.print(f"prefill buckets {m.prefill_buckets}, batch buckets {m.batch_buckets}, "
@@ -335,36 +374,76 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                           f"{len(model.weight_files)} rank file(s)")
 
 
+ExpectDigest = typer.Option(None, "--expect-digest", metavar="sha256:HEX",
+                            help="refuse the bundle unless its digest is this one (also: REF#sha256=HEX)")
+VerifySignature = typer.Option(None, "--verify-signature", metavar="KEY.pub",
+                               help="refuse the bundle unless manifest.sig is signed by this ed25519 public key")
+TrustRemoteCode = typer.Option(False, "--trust-remote-code",
+                               help="accept a native-code (aoti, neuron) remote bundle without a pin")
+
+
 @app.command("push")
 def push_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
              remote: str = typer.Argument(..., help="hf://org/repo[@branch] or file:///dir[@branch]"),
+             sign_key: Optional[Path] = typer.Option(None, "--sign", metavar="KEY",
+                                                     help="sign the digest with this ed25519 private key first"),
              as_json: bool = typer.Option(False, "--json")):
     """Publish a verified bundle: one commit, manifest.json last, the digest in the commit message."""
     from .publish import push
 
     try:
-        info = push(bundle, remote)
+        info = push(bundle, remote, sign_key)
     except UserError as e:
         fail(str(e))
     if as_json:
         out_console.print_json(json.dumps(info))
     else:
+        signed = ", signed" if info["signed"] else ""
         console.print(f"pushed {bundle} -> {info['remote']} ({info['files']} files, {info['bytes'] / 1e6:.1f} MB, "
-                      f"commit {info['commit']}, digest {info['digest'][:16]})", highlight=False)
+                      f"commit {info['commit']}{signed}, digest sha256:{info['digest']})", highlight=False)
 
 
 @app.command("pull")
-def pull_cmd(remote: str = typer.Argument(..., help="hf://org/repo[@rev] or file:///dir[@rev]"),
-             out: Optional[Path] = typer.Option(None, "--out", help="also copy the verified bundle here")):
-    """Fetch a published bundle into the runtime cache and verify every file (sha256, digest)."""
+def pull_cmd(remote: str = typer.Argument(..., help="hf://org/repo[@rev] or file:///dir[@rev] (#sha256=HEX pins it)"),
+             out: Optional[Path] = typer.Option(None, "--out", help="also copy the verified bundle here"),
+             expect_digest: Optional[str] = ExpectDigest, verify_signature: Optional[Path] = VerifySignature,
+             trust_remote_code: bool = TrustRemoteCode):
+    """Fetch a published bundle into the runtime cache and verify every file (sha256, digest, pins)."""
     from .publish import pull
 
     try:
-        path, digest = pull(remote, out)
+        path, digest = pull(remote, out, expect_digest, verify_signature, trust_remote_code)
     except UserError as e:
         fail(str(e))
     out_console.print(str(path), highlight=False)
-    console.print(f"verified {remote}: digest {digest[:16]}", highlight=False)
+    pinned = " (pinned)" if expect_digest or verify_signature or "#" in remote else ""
+    console.print(f"verified {remote}: digest sha256:{digest}{pinned}", highlight=False)
+
+
+@app.command("sign")
+def sign_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
+             key: Path = typer.Option(..., "--key", metavar="KEY", help="ed25519 private key (PEM or OpenSSH)")):
+    """Sign a bundle's digest (writes BUNDLE/manifest.sig; `push --sign` does the same before uploading)."""
+    from .publish import sign
+
+    try:
+        digest, path = sign(bundle, key)
+    except UserError as e:
+        fail(str(e))
+    console.print(f"signed sha256:{digest} -> {path}", highlight=False)
+
+
+@app.command("keygen")
+def keygen_cmd(prefix: Path = typer.Argument(..., help="writes PREFIX.key (private, 0600) and PREFIX.pub")):
+    """Make an ed25519 key pair for signing bundles."""
+    from .publish import keygen
+
+    try:
+        key, pub = keygen(prefix)
+    except UserError as e:
+        fail(str(e))
+    console.print(f"wrote {key} (keep it secret) and {pub} (give it to whoever serves your bundles)",
+                  highlight=False)
 
 
 @app.command("check")
@@ -374,17 +453,22 @@ def check_cmd(bundle: str = typer.Argument(..., help="bundle directory or hf://â
               files: bool = typer.Option(False, "--files", help="also verify every file's sha256"),
               backend_env: bool = typer.Option(True, "--backend-env/--no-backend-env",
                                                help="check the backend's toolchain and devices on this host"),
+              expect_digest: Optional[str] = ExpectDigest, verify_signature: Optional[Path] = VerifySignature,
+              trust_remote_code: bool = TrustRemoteCode,
               as_json: bool = typer.Option(False, "--json")):
-    """Will BUNDLE load on this machine? Exit 0 yes; 2 not a bundle/corrupt; 3 schema; 4 backend or
-    toolchain; 5 device or tp degree (see eagle3_runtime/compat.py)."""
+    """Will BUNDLE load on this machine? Exit 0 yes; 2 not a bundle/corrupt/not the pinned bundle; 3 schema;
+    4 backend or toolchain; 5 device or tp degree (see eagle3_runtime/compat.py)."""
     from eagle3_runtime.compat import check_bundle
-    from eagle3_runtime.remote import RemoteError, is_remote, resolve_bundle
+    from eagle3_runtime.manifest import BundleError
+    from eagle3_runtime.remote import resolve_bundle
+    from eagle3_runtime.trust import pins
 
     try:
-        root = resolve_bundle(bundle) if is_remote(bundle) else Path(bundle)
-    except RemoteError as e:
+        ref, p = pins(bundle, expect_digest, verify_signature)
+        root = resolve_bundle(ref, p, trust_remote_code)
+    except BundleError as e:
         fail(str(e))
-    v = check_bundle(root, ranks=ranks, files=files, backend_env=backend_env)
+    v = check_bundle(root, ranks=ranks, files=files, backend_env=backend_env, pins=p)
     if as_json:
         out_console.print_json(json.dumps(v.to_dict()))
     else:

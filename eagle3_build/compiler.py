@@ -8,8 +8,9 @@ long-lived worker processes (`python -m eagle3_build.compiler --serve`, one grap
 log captured next to it), so torch/Inductor start-up is paid once per worker while one graph's crash
 (segfault, OOM kill) still takes down only that graph. A graph whose worker dies is retried once on a
 fresh worker; a compile error is not (it would fail the same way). Failures are recorded in the cache
-with their log but never skip a later compile. Ctrl-C kills the workers and removes their staging
-directories.
+with their log but never skip a later compile. Ctrl-C (and SIGTERM, see cli.py) kills the workers and
+removes their staging directories; a build killed outright takes its workers with it (Linux), and the
+next build removes its staging directories (CompileCache.clean_tmp).
 
 Fault injection (tests, CI drills): `EAGLE3_BUILD_INJECT_FAILURE=graph_name[:crash][,...]` makes
 that graph's compile raise (or, with `:crash`, its worker process die once, which the retry absorbs;
@@ -355,8 +356,8 @@ class _Lane:
 
     @classmethod
     def start(cls, backend: str) -> _Lane:
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3_build.compiler", "--serve", backend],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        cmd = [sys.executable, "-m", "eagle3_build.compiler", "--serve", backend, str(os.getpid())]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         return cls(proc)
 
     def assign(self, task: _Task) -> None:
@@ -431,6 +432,20 @@ def run_task(staging: Path, backends: dict) -> int:
     return 0
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: this process is killed when the build that started it dies (even by kill -9), rather than
+    compiling on for nobody into a staging directory that the next build removes."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # the build died before that took effect
+        os._exit(1)
+
+
 def serve(backend: str) -> int:
     """Worker loop: one staging dir per stdin line; the graph's output (ours, Inductor's, g++'s) goes
     to its compile.log; `done <rc>` goes back on the original stdout. Imports first, while the build
@@ -468,7 +483,8 @@ def serve(backend: str) -> int:
 
 
 if __name__ == "__main__":
-    rc = serve(sys.argv[2])  # (python -m eagle3_build.compiler --serve BACKEND)
+    die_with_parent(int(sys.argv[3]))
+    rc = serve(sys.argv[2])  # (python -m eagle3_build.compiler --serve BACKEND PARENT_PID)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # Inductor's compile-worker pool can keep a normal interpreter exit waiting

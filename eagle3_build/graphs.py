@@ -23,13 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eagle3_runtime.manifest import BATCH_ROLES, PREFILL_ROLES, ROLE_MODEL
+
 from .models.eagle3 import Eagle3Draft
 from .models.llama import Llama
 
-PREFILL_ROLES = ("target_prefill", "draft_prefill")
-BATCH_ROLES = ("target_verify", "target_decode", "draft_catchup", "draft_step")
-ROLE_MODEL = {"target_prefill": "target", "target_verify": "target", "target_decode": "target",
-              "draft_prefill": "draft", "draft_catchup": "draft", "draft_step": "draft"}
 
 
 @dataclass(frozen=True)

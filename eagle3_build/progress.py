@@ -70,6 +70,8 @@ class RichReporter:
 
     def __exit__(self, *exc):
         self.live.__exit__(*exc)
+        if not self.live.console.is_terminal:  # Live leaves its last frame without a newline there
+            self.live.console.line()
 
     def __call__(self, ev: dict) -> None:
         self.state.update(ev)

@@ -1,53 +1,87 @@
-"""Publish a verified bundle and fetch it back: `eagle3-build push BUNDLE REMOTE`, `pull REMOTE`.
+"""Publish a verified bundle and fetch it back: `eagle3-build push BUNDLE REMOTE`, `pull REMOTE`, `sign`, `keygen`.
 
 REMOTE is hf://org/repo[@branch] (huggingface_hub: one commit, manifest.json last, the bundle digest
 in the commit message) or file:///dir[@branch] (the same code path against a directory). Only a
-bundle whose files all match its manifest is pushed; a pull verifies every file before it counts.
+bundle whose files all match its manifest is pushed; a pull verifies every file, and the user's
+pins (digest, signature: eagle3_runtime/trust.py), before it counts.
 """
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
-from eagle3_runtime.bundle import BundleError, read_manifest, verify_files
-from eagle3_runtime.manifest import MANIFEST
-from eagle3_runtime.remote import RemoteError, remote_for, resolve_bundle
+from eagle3_runtime.bundle import read_manifest, verify_files
+from eagle3_runtime.manifest import MANIFEST, BundleError
+from eagle3_runtime.remote import resolve_bundle, remote_for
+from eagle3_runtime.trust import SIGNATURE, generate_key, pins, write_signature
 
+from .bundle import check_replaceable, replace_dir
+from .cache import owner_tag
 from .errors import UserError
 
 
-def push(bundle: Path, ref: str) -> dict:
+def push(bundle: Path, ref: str, sign_key: Path | None = None) -> dict:
     try:
         m = read_manifest(bundle)
         verify_files(bundle, m)
+        if sign_key is not None:
+            write_signature(bundle, m.digest, sign_key)
     except BundleError as e:
-        raise UserError(f"refusing to push: {e}") from None
+        raise UserError(f"refusing to push: {e}") from e
     files = sorted({f.path for f in m.all_files()})
+    if (bundle / SIGNATURE).is_file():
+        files.append(SIGNATURE)
     entries = [(rel, bundle / rel) for rel in files] + [(MANIFEST, bundle / MANIFEST)]  # manifest last
-    message = f"eagle3 bundle {m.name} (digest {m.digest})"
+    message = f"eagle3 bundle {m.name} (digest sha256:{m.digest})"
     try:
         remote = remote_for(ref)
         commit = remote.put(entries, message)
-    except RemoteError as e:
-        raise UserError(str(e)) from None
-    return {"remote": remote.uri, "commit": commit, "digest": m.digest, "files": len(entries),
-            "bytes": sum(p.stat().st_size for _, p in entries)}
+    except BundleError as e:
+        raise UserError(str(e)) from e
+    return {"remote": remote.uri, "commit": commit, "digest": m.digest, "signed": sign_key is not None,
+            "files": len(entries), "bytes": sum(p.stat().st_size for _, p in entries)}
 
 
-def pull(ref: str, out: Path | None = None) -> tuple[Path, str]:
-    """Fetch + verify; with `out`, also copy the verified bundle there (atomically)."""
+def pull(ref: str, out: Path | None = None, expect_digest: str | None = None, public_key: Path | None = None,
+         trust_remote_code: bool = False) -> tuple[Path, str]:
+    """Fetch + verify (+ pins); with `out`, also copy the verified bundle there (replacing only a bundle,
+    atomically)."""
+    if out is not None:
+        check_replaceable(Path(out))  # before any download
     try:
-        local = resolve_bundle(ref)
-    except RemoteError as e:
-        raise UserError(str(e)) from None
-    digest = read_manifest(local).digest
+        ref, p = pins(ref, expect_digest, public_key)
+        local = resolve_bundle(ref, p, trust_remote_code)
+        digest = read_manifest(local, p).digest
+    except BundleError as e:
+        raise UserError(str(e)) from e
     if out is None:
         return local, digest
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.pull-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(local, tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{owner_tag()}-", dir=out.parent))
+    try:
+        shutil.copytree(local, tmp, dirs_exist_ok=True)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out, digest
+
+
+def sign(bundle: Path, key: Path) -> tuple[str, Path]:
+    """Write BUNDLE/manifest.sig for a bundle whose files all verify."""
+    try:
+        m = read_manifest(bundle)
+        verify_files(bundle, m)
+        return m.digest, write_signature(bundle, m.digest, key)
+    except BundleError as e:
+        raise UserError(f"refusing to sign: {e}") from e
+
+
+def keygen(prefix: Path) -> tuple[Path, Path]:
+    try:
+        return generate_key(prefix)
+    except BundleError as e:
+        raise UserError(str(e)) from e
+

@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .backends import unknown_option_message
 from .buckets import default_batch_buckets, default_prefill_buckets
 
 __all__ = [
@@ -46,6 +47,12 @@ _SOURCE_FORMS = (
 )
 _TOP_KEYS = ("defaults", "pairs")
 
+# Hostile-input bounds (a real recipe is a few KB, a few hundred nodes, nested ~5 deep)
+MAX_RECIPE_BYTES = 1 << 20  # refused before parsing
+MAX_YAML_NODES = 100_000  # counted with every alias expanded (billion laughs)
+MAX_YAML_DEPTH = 64
+MAX_PAIRS = 100  # defaults are merged into every pair: this bounds that work too
+
 
 # --------------------------------------------------------------------------------------- errors
 
@@ -71,8 +78,13 @@ class RecipeError(Exception):
         self.errors = list(errors)
         super().__init__(str(self))
 
+    MAX_SHOWN = 20  # a hostile recipe can hold thousands of problems; the first ones name the fix
+
     def __str__(self) -> str:
-        return "\n".join(str(e) for e in self.errors)
+        shown = [str(e) for e in self.errors[: self.MAX_SHOWN]]
+        if len(self.errors) > self.MAX_SHOWN:
+            shown.append(f"... and {len(self.errors) - self.MAX_SHOWN} more problem(s) in this recipe")
+        return "\n".join(shown)
 
 
 # --------------------------------------------------------------------------------- output models
@@ -293,15 +305,72 @@ def _pydantic_message(err: dict, model: type[BaseModel]) -> str:
 # ------------------------------------------------------------------------------- YAML positions
 
 
-def _line_map(root: yaml.Node) -> dict[tuple, int]:
-    """Map each key path (str keys, int indices) to the 1-based line of its key / list item."""
-    lines: dict[tuple, int] = {(): root.start_mark.line + 1}
+class _YamlLimit(Exception):
+    """A recipe past one of the bounds above (line may be None)."""
+
+    def __init__(self, line: int | None, message: str):
+        super().__init__(message)
+        self.line, self.message = line, message
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that stops composing a document with too many distinct nodes or too deep a nesting
+    (so memory stays bounded before anything walks the node graph)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.n_nodes = self.depth = 0
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        if not self.check_event(yaml.AliasEvent):
+            self.n_nodes += 1
+            if self.n_nodes > MAX_YAML_NODES:
+                raise _YamlLimit(mark.line + 1, f"recipe has more than {MAX_YAML_NODES} YAML nodes")
+        self.depth += 1
+        if self.depth > MAX_YAML_DEPTH:
+            raise _YamlLimit(mark.line + 1, f"recipe nests deeper than {MAX_YAML_DEPTH} levels")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse recursive aliases and documents whose alias expansion exceeds MAX_YAML_NODES, in time
+    linear in the node graph (each node's expanded size is computed once)."""
+    sizes: dict[int, int] = {}
     on_path: set[int] = set()
 
-    def walk(node: yaml.Node, path: tuple) -> None:
-        if id(node) in on_path or len(path) > 64:  # recursive aliases
-            return
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in on_path:
+            raise _YamlLimit(node.start_mark.line + 1, "recursive YAML alias (a node that contains itself)")
         on_path.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            children = [c for pair in node.value for c in pair]
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+        n = 1
+        for child in children:
+            n = min(n + size(child), MAX_YAML_NODES + 1)  # capped: the numbers stay small
+        on_path.discard(id(node))
+        sizes[id(node)] = n
+        return n
+
+    if size(root) > MAX_YAML_NODES:
+        raise _YamlLimit(None, f"recipe expands to more than {MAX_YAML_NODES} nodes through YAML aliases; "
+                               "use anchors for shared settings, not to multiply data")
+
+
+def _line_map(root: yaml.Node) -> dict[tuple, int]:
+    """Map each key path (str keys, int indices) to the 1-based line of its key / list item.
+
+    Walks aliases like the data does, so it is bounded by _check_expansion (run first)."""
+    lines: dict[tuple, int] = {(): root.start_mark.line + 1}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 if isinstance(k, yaml.ScalarNode):
@@ -312,7 +381,6 @@ def _line_map(root: yaml.Node) -> dict[tuple, int]:
             for i, item in enumerate(node.value):
                 lines[path + (i,)] = item.start_mark.line + 1
                 walk(item, path + (i,))
-        on_path.discard(id(node))
 
     walk(root, ())
     return lines
@@ -508,6 +576,9 @@ def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
                 good = False
             elif kind == "prefill" and mml is not None and b > mml:
                 add(rel + (i,), f"prefill bucket {b} exceeds serving.max_model_len ({mml})")
+            elif kind == "batch" and mns is not None and b > mns:
+                add(rel + (i,), f"batch bucket {b} exceeds serving.max_num_seqs ({mns}); its graphs could never "
+                                "run (a batch holds at most max_num_seqs sequences)")
         if not good:
             continue
         if kind == "batch" and mns is not None and lst[-1] < mns:
@@ -517,6 +588,15 @@ def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
     if k is not None and isinstance(mal, (int, float)) and not isinstance(mal, bool) and mal > k + 1:
         add(("verify", "min_acceptance_length"),
             f"can never be reached: acceptance length is at most K+1 = {k + 1}, got {mal}")
+
+
+def _check_backend_options(merged: dict, add: Callable[..., None]) -> None:
+    backend, options = merged.get("backend", "export"), merged.get("backend_options")
+    if backend in BACKENDS and isinstance(options, dict):
+        for key in options:
+            message = unknown_option_message(backend, key)
+            if message:
+                add(("backend_options", key), message)
 
 
 def _build_pair(raw: _RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:
@@ -548,11 +628,12 @@ def _build_pair(raw: _RawPair, target: SourceSpec, draft: SourceSpec) -> PairRec
 
 
 def _parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None, list[RecipeIssue]]:
-    loader = yaml.SafeLoader(text)
+    loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None, None, []
+        _check_expansion(node)  # before anything walks or constructs the aliased graph
         dups = _duplicate_keys(node)
         data = loader.construct_document(node)  # resolves merge keys (<<) in the node tree too
     except yaml.MarkedYAMLError as exc:
@@ -561,9 +642,12 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None, list[Recip
         if exc.problem and exc.context:
             ctx_line = f" started at line {exc.context_mark.line + 1}" if exc.context_mark else ""
             what += f" ({exc.context}{ctx_line})"
-        raise RecipeError([RecipeIssue(file, mark.line + 1 if mark else None, "<yaml>", f"invalid YAML: {what}")]) from None
+        line = mark.line + 1 if mark else None
+        raise RecipeError([RecipeIssue(file, line, "<yaml>", f"invalid YAML: {what}")]) from exc
     except yaml.YAMLError as exc:
-        raise RecipeError([RecipeIssue(file, None, "<yaml>", f"invalid YAML: {exc}")]) from None
+        raise RecipeError([RecipeIssue(file, None, "<yaml>", f"invalid YAML: {exc}")]) from exc
+    except _YamlLimit as exc:
+        raise RecipeError([RecipeIssue(file, exc.line, "<yaml>", exc.message)]) from exc
     finally:
         loader.dispose()
     dup_issues = [
@@ -573,19 +657,32 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None, list[Recip
     return data, node, dup_issues
 
 
+def _read_capped(path: Path, file: str) -> bytes:
+    """The recipe's bytes; a file over MAX_RECIPE_BYTES is refused without reading the rest."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_RECIPE_BYTES + 1)
+        if len(data) > MAX_RECIPE_BYTES:
+            size = max(os.fstat(f.fileno()).st_size, len(data))
+            raise RecipeError([RecipeIssue(file, None, "<file>", f"recipe is {size} bytes, over the "
+                                           f"{MAX_RECIPE_BYTES}-byte (1 MiB) cap; a recipe is a few kilobytes")])
+    return data
+
+
 def _load(path: Path, file: str) -> Recipe:
     try:
-        data_bytes = path.read_bytes()
-    except FileNotFoundError:
-        raise RecipeError([RecipeIssue(file, None, "<file>", "recipe file not found")]) from None
-    except IsADirectoryError:
-        raise RecipeError([RecipeIssue(file, None, "<file>", "is a directory, expected a recipe .yaml file")]) from None
+        data_bytes = _read_capped(path, file)
+    except FileNotFoundError as exc:
+        raise RecipeError([RecipeIssue(file, None, "<file>", "recipe file not found")]) from exc
+    except IsADirectoryError as exc:
+        raise RecipeError([RecipeIssue(file, None, "<file>", "is a directory, expected a recipe .yaml file")]) from exc
     except OSError as exc:
-        raise RecipeError([RecipeIssue(file, None, "<file>", f"cannot read recipe file: {exc.strerror or exc}")]) from None
+        why = f"cannot read recipe file: {exc.strerror or exc}"
+        raise RecipeError([RecipeIssue(file, None, "<file>", why)]) from exc
     try:
         text = data_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise RecipeError([RecipeIssue(file, None, "<file>", f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
+        why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise RecipeError([RecipeIssue(file, None, "<file>", why)]) from exc
 
     data, node, dup_issues = _parse_yaml(text, file)
     if not isinstance(data, dict):
@@ -617,6 +714,10 @@ def _load(path: Path, file: str) -> Recipe:
         pairs = []
     elif not pairs:
         issues.append(RecipeIssue(file, _line_of(lines, ("pairs",)), "pairs", "must not be empty: give at least one pair"))
+    elif len(pairs) > MAX_PAIRS:
+        issues.append(RecipeIssue(file, _line_of(lines, ("pairs",)), "pairs",
+                                  f"{len(pairs)} pairs, at most {MAX_PAIRS}; split the recipe into several files"))
+        pairs = []
 
     resolved: list[PairRecipe] = []
     names: dict[str, tuple[int, int | None]] = {}
@@ -665,6 +766,7 @@ def _load(path: Path, file: str) -> Recipe:
             if role in merged:
                 sources[role] = _resolve_source(merged[role], base_dir, (role,), add)
         _check_buckets(merged, add)
+        _check_backend_options(merged, add)
 
         if raw is not None and len(issues) == n_before and all(sources.get(r) for r in ("target", "draft")):
             resolved.append(_build_pair(raw, sources["target"], sources["draft"]))
@@ -683,7 +785,8 @@ def load_recipe(path: str | Path) -> Recipe:
     except RecipeError:
         raise
     except Exception as exc:  # never let a traceback reach the user
-        raise RecipeError([RecipeIssue(file, None, "<file>", f"could not load recipe: {type(exc).__name__}: {exc}")]) from None
+        why = f"could not load recipe: {type(exc).__name__}: {exc}"
+        raise RecipeError([RecipeIssue(file, None, "<file>", why)]) from exc
 
 
 def select_pair(recipe: Recipe, name: str | None) -> list[PairRecipe]:

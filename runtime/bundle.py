@@ -1,8 +1,11 @@
-"""Load and validate a bundle: schema version, every file's sha256, weights bound per graph."""
+"""Load and validate a bundle: manifest as data, digest, pins, paths confined, every file's sha256,
+graphs loaded without unpickling anything, weights bound per graph."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -11,54 +14,107 @@ from typing import Callable
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .manifest import MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, sha256_file
+from .manifest import (DTYPE_NAMES, MANIFEST, SCHEMA_VERSION, BundleError, FileEntry, GraphEntry, Manifest,
+                       SchemaError, bundle_relpath, sha256_file)
+from .trust import Pins, check_pins
+
+MAX_MANIFEST_BYTES = 64 << 20
 
 
-class BundleError(Exception):
-    """The bundle cannot be served; the message names the file and the fix."""
+def allowed_roots(root: Path) -> list[Path]:
+    """Where a bundle's files may really live: inside the bundle, or, for a huggingface_hub snapshot
+    (<cache>/models--org--repo/snapshots/<commit>/, whose files are links to ../../blobs/), that repo's blobs."""
+    real = Path(os.path.realpath(root))
+    out = [real]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        out.append(Path(os.path.realpath(root.parent.parent / "blobs")))
+    return out
 
 
-def read_manifest(root: Path) -> Manifest:
-    path = root / MANIFEST
-    if not path.exists():
-        raise BundleError(f"{root}: no {MANIFEST}; not a bundle (build one with `eagle3-build compile RECIPE`)")
+def bundle_file(root: Path, rel: str) -> Path:
+    """`root/rel`, refused unless `rel` is a plain relative path that resolves (links followed) inside the bundle."""
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{path}: not valid JSON ({e}); the bundle is corrupt, rebuild it") from None
+        bundle_relpath(rel)
+    except ValueError as e:
+        raise BundleError(f"{root}: manifest entry {rel!r} points outside the bundle; refusing it") from e
+    path = Path(root) / rel
+    real = Path(os.path.realpath(path))
+    if not any(real.is_relative_to(a) for a in allowed_roots(Path(root))):
+        raise BundleError(f"{root}: {rel} is a link that leaves the bundle (to {real}); refusing it")
+    return path
+
+
+def read_manifest(root: Path, pins: Pins = Pins()) -> Manifest:
+    """The manifest, validated as data, its digest checked, and the user's pins (digest, signature) checked."""
+    root = Path(root)
+    path = bundle_file(root, MANIFEST)
+    if not path.is_file():
+        raise BundleError(f"{root}: no {MANIFEST}; not a bundle (build one with `eagle3-build compile RECIPE`)")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path}: {path.stat().st_size} bytes, more than any manifest ({MAX_MANIFEST_BYTES}); "
+                          "not a bundle")
+    try:
+        raw = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise BundleError(f"{path}: not valid JSON ({type(e).__name__}); the bundle is corrupt, rebuild it") from e
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != SCHEMA_VERSION:
-        raise BundleError(f"{path}: manifest schema version {version!r}, this runtime reads version "
+        raise SchemaError(f"{path}: manifest schema version {version!r}, this runtime reads version "
                           f"{SCHEMA_VERSION}; rebuild the bundle with a matching eagle3-build or use a "
                           "matching runtime")
     try:
-        return Manifest.model_validate(raw)
+        m = Manifest.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
-        raise BundleError(f"{path}: invalid manifest at {loc}: {first['msg']}; rebuild the bundle") from None
+        raise BundleError(f"{path}: invalid manifest{' at ' + loc if loc else ''}: {first['msg']}; "
+                          "rebuild the bundle") from e
+    if not m.digest:
+        raise BundleError(f"{path}: the manifest has no digest; every bundle eagle3-build writes has one — "
+                          "rebuild it")
+    if m.compute_digest() != m.digest:
+        raise BundleError(f"{root}: {MANIFEST} was modified after the build (its content no longer matches the "
+                          f"bundle digest {m.digest[:12]}…); rebuild or re-download the bundle")
+    check_pins(root, m.digest, pins)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if m.state_bytes() > memory:
+        raise BundleError(f"{path}: the KV caches need {m.state_bytes() / 2**30:.1f} GiB, more than this host's "
+                          f"{memory / 2**30:.1f} GiB; rebuild with a smaller max_model_len / max_num_seqs")
+    return m
+
+
+def check_file(root: Path, entry: FileEntry) -> Path:
+    """Present, confined, with the recorded size and sha256."""
+    path = bundle_file(root, entry.path)
+    if not path.is_file():
+        raise BundleError(f"{root}: {entry.path} is missing; the bundle is incomplete — rebuild or re-download it")
+    if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
+        raise BundleError(f"{root}: {entry.path} is corrupt (does not match the sha256 and size in the manifest); "
+                          "rebuild or re-download the bundle")
+    return path
 
 
 def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
-    """sha256 of every file (of one rank's weights only, when `rank` is given)."""
-    if manifest.digest and manifest.compute_digest() != manifest.digest:
-        raise BundleError(f"{root}: {MANIFEST} was modified after the build (its content no longer matches the "
-                          f"bundle digest {manifest.digest[:12]}…); rebuild or re-download the bundle")
+    """Every file (of one rank's weights only, when `rank` is given) against the manifest; export graphs are
+    also checked to hold nothing but a static operator graph (runtime/safe_pt2.py)."""
+    from .safe_pt2 import UnsafeArchive, check_archive
+
     others = set()
     if rank is not None:
         others = {f.path for m in manifest.models.values() for r, f in enumerate(m.weight_files) if r != rank}
+    graphs = {g.file.path for g in manifest.graphs} if manifest.backend == "export" else set()
     for entry in manifest.all_files():
         if entry.path in others:
             continue
-        path = root / entry.path
-        if not path.is_file():
-            raise BundleError(f"{root}: {entry.path} is missing; the bundle is incomplete — rebuild or re-download it")
-        got = sha256_file(path)
-        if got != entry.sha256:
-            raise BundleError(f"{root}: {entry.path} is corrupt (sha256 {got[:12]}…, manifest says "
-                              f"{entry.sha256[:12]}…); rebuild or re-download the bundle")
+        path = check_file(root, entry)
+        if entry.path in graphs:
+            try:
+                check_archive(path.read_bytes(), f"{root}/{entry.path}")
+            except UnsafeArchive as e:
+                raise BundleError(f"{e}; refusing to load it") from e
 
 
 GraphFn = Callable[..., tuple]
@@ -96,8 +152,19 @@ def _cached_type_hints():
 
 
 def load_graph_export(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
-    with _cached_type_hints():
-        ep = torch.export.load(str(path))
+    """Read once, check those bytes (sha256, archive contents), deserialize those same bytes."""
+    from .safe_pt2 import UnsafeArchive, load_exported
+
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry.file.sha256:
+        raise BundleError(f"{path}: does not match its sha256 in the manifest; rebuild or re-download the bundle")
+    try:
+        with _cached_type_hints():
+            ep = load_exported(data, str(path))
+    except UnsafeArchive as e:
+        raise BundleError(f"{e}; refusing to load it") from e
+    except Exception as e:  # torch's deserializer on a well-formed but broken program
+        raise BundleError(f"{path}: cannot load this export graph ({type(e).__name__}: {e}); rebuild the bundle") from e
     return ep.module()
 
 
@@ -153,18 +220,17 @@ class Graph:
         return out if isinstance(out, tuple) else tuple(out)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class Bundle:
     """A validated bundle with its graphs loaded and weights bound (one rank)."""
 
-    def __init__(self, root: str | Path, *, rank: int = 0, verify: bool = True):
+    def __init__(self, root: str | Path, *, rank: int = 0, verify: bool = True, pins: Pins = Pins()):
         self.root = Path(root)
         if not self.root.is_dir():
             raise BundleError(f"{self.root}: no such bundle directory")
-        self.manifest = m = read_manifest(self.root)
+        self.manifest = m = read_manifest(self.root, pins)
         if not 0 <= rank < m.tp_degree:
             raise BundleError(f"{self.root}: rank {rank} outside this bundle's tp_degree {m.tp_degree}")
         if verify:
@@ -180,11 +246,16 @@ class Bundle:
             try:
                 check_host(m)
             except NeuronHostError as e:
-                raise BundleError(f"{self.root}: {e}") from None
+                raise BundleError(f"{self.root}: {e}") from e
         self.rank = rank
         self.weights: dict[str, torch.Tensor] = {}
         for name, model in m.models.items():
-            for k, v in load_file(self.root / model.weight_files[rank].path).items():
+            path = bundle_file(self.root, model.weight_files[rank].path)
+            try:
+                tensors = load_file(path)
+            except (SafetensorError, OSError) as e:
+                raise BundleError(f"{path}: not a readable safetensors file ({e}); rebuild the bundle") from e
+            for k, v in tensors.items():
                 self.weights[f"{name}/{k}"] = v
         self.state = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in m.state}
         loader = LOADERS[m.backend]
@@ -195,7 +266,7 @@ class Bundle:
                 raise BundleError(f"{self.root}: graph {g.name} needs weights {missing[:3]} that no weight file "
                                   "holds; the bundle is inconsistent — rebuild it")
             weights = tuple(self.weights[w] for w in g.weights)
-            self.graphs[(g.role, g.bucket)] = Graph(g, loader(self.root / g.file.path, g, weights), weights,
+            self.graphs[(g.role, g.bucket)] = Graph(g, loader(bundle_file(self.root, g.file.path), g, weights), weights,
                                                     self.state[g.state], torch.tensor([rank], dtype=torch.int64))
 
     def copy_kv_row(self, src: int, dst: int) -> None:

@@ -9,6 +9,7 @@ from .bundle import BundleError
 from .engine import Engine, RequestError
 from .tokenizer import BundleTokenizer
 from .tp import open_bundle, shutdown, stop_workers
+from .trust import add_trust_args
 
 
 def set_threads(n: int | None) -> None:
@@ -44,11 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per process (default 1: decode steps are latency-bound and "
                          "multi-threaded small matmuls stall when cores are shared)")
+    add_trust_args(ap)
     args = ap.parse_args(argv)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        print(f"error: --prompt is not valid UTF-8 (at character {e.start}); pass UTF-8 text", file=sys.stderr)
+        return 2
     set_threads(args.threads)
     ctx = None
     try:
-        bundle, ctx = open_bundle(args.bundle)
+        bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
         if bundle is None:  # a TP worker rank: the driver has finished
             return 0
         tok = BundleTokenizer(bundle.root)

@@ -12,12 +12,12 @@ runtime itself before it loads a bundle.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .manifest import MANIFEST, SCHEMA_VERSION, Manifest
+from .manifest import SCHEMA_VERSION, BundleError, Manifest, SchemaError
+from .trust import Pins
 
 OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
 CPU_ISA_RANK = {"DEFAULT": 0, "VSX": 1, "ZVECTOR": 1, "SVE256": 1, "AVX2": 1, "AVX512": 2}
@@ -53,32 +53,23 @@ class Verdict:
 
 
 def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, backend_env: bool = True,
-                 environ: dict | None = None) -> Verdict:
+                 environ: dict | None = None, pins: Pins = Pins()) -> Verdict:
+    """The runtime's own validation (runtime/bundle.py: manifest as data, digest, pins; with `files`
+    every file's sha256 and the export graphs' contents), then the host checks."""
+    from .bundle import read_manifest, verify_files
+
     environ = os.environ if environ is None else environ
     v = Verdict(str(root))
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        v.checks.append(Check("manifest", False, f"{root}: no {MANIFEST}; not a bundle", BAD_BUNDLE))
-        return v
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        v.checks.append(Check("manifest", False, f"{path}: unreadable ({e}); re-download the bundle", BAD_BUNDLE))
+        m = read_manifest(Path(root), pins)
+    except SchemaError as e:
+        v.checks.append(Check("schema", False, str(e), SCHEMA))
         return v
-    version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if version != SCHEMA_VERSION:
-        v.checks.append(Check("schema", False, f"manifest schema version {version!r}, this runtime reads "
-                                               f"{SCHEMA_VERSION}; rebuild the bundle or use a matching runtime",
-                              SCHEMA))
-        return v
-    from .bundle import BundleError, read_manifest, verify_files
-
-    try:
-        m = read_manifest(Path(root))
     except BundleError as e:
         v.checks.append(Check("manifest", False, str(e), BAD_BUNDLE))
         return v
-    v.checks.append(Check("schema", True, f"schema {SCHEMA_VERSION}, digest {m.digest[:16]}"))
+    pinned = " (pinned)" if pins.any else ""
+    v.checks.append(Check("schema", True, f"schema {SCHEMA_VERSION}, digest sha256:{m.digest}{pinned}"))
     if files:
         try:
             verify_files(Path(root), m)

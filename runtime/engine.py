@@ -174,7 +174,7 @@ class Engine:
         self.speculative = speculative
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
-        self.hidden = m.graph("draft_step", self.batch_buckets[0]).inputs[1].shape[-1]
+        self.hidden = m.graph("draft_step", self.batch_buckets[0]).input("hidden").shape[-1]
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Sequence] = []
         self.target_passes = 0

@@ -12,16 +12,19 @@ manifest.json last) and `snapshot(rev) -> local directory`.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
 
-from .manifest import MANIFEST
+from .manifest import MANIFEST, NATIVE_CODE_BACKENDS, BundleError
+from .trust import SIGNATURE, Pins
 
 DEFAULT_REV = "main"
+FILE_REV = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a directory name under a file:// remote
 
 
-class RemoteError(Exception):
+class RemoteError(BundleError):
     """A reference that cannot be fetched or does not verify; the message names the fix."""
 
 
@@ -35,7 +38,7 @@ def parse(ref: str) -> tuple[str, str, str]:
     if scheme not in ("hf", "file") or not rest:
         raise RemoteError(f"{ref!r}: expected hf://org/repo[@rev] or file:///path[@rev]")
     loc, rev = rest.rsplit("@", 1) if "@" in rest else (rest, DEFAULT_REV)
-    if not loc or not rev or (scheme == "file" and "/" in rev):
+    if not loc or not rev or (scheme == "file" and not FILE_REV.fullmatch(rev)):
         raise RemoteError(f"{ref!r}: invalid reference (expected hf://org/repo[@rev] or file:///path[@rev])")
     if scheme == "hf" and loc.count("/") != 1:
         raise RemoteError(f"{ref!r}: expected hf://org/repo[@rev]")
@@ -80,7 +83,8 @@ class FileRemote:
                               "`eagle3-build push BUNDLE file://...`")
         dest = cache_root() / "file" / _slug(str(self.root.resolve())) / self.rev
         stage = dest.with_name(f".{dest.name}.fetch-{uuid.uuid4().hex[:8]}")
-        shutil.copytree(src, stage, ignore=shutil.ignore_patterns(".commit_message"))
+        # links stay links, so a link leaving the bundle is refused when the bundle is verified
+        shutil.copytree(src, stage, symlinks=True, ignore=shutil.ignore_patterns(".commit_message"))
         dest.parent.mkdir(parents=True, exist_ok=True)
         old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
         if dest.exists():
@@ -120,7 +124,7 @@ class HubRemote:
         except Exception as e:  # network, auth, missing revision: one line with the fix
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RemoteError(f"{self.uri}: cannot download ({first}); check the name and revision, "
-                              "`hf auth login`, or HF_HUB_OFFLINE") from None
+                              "`hf auth login`, or HF_HUB_OFFLINE") from e
 
 
 def remote_for(ref: str) -> FileRemote | HubRemote:
@@ -136,25 +140,33 @@ def _slug(s: str) -> str:
 
 # ------------------------------------------------------------------ resolve + verify
 
-def resolve_bundle(ref: str | os.PathLike) -> Path:
+def resolve_bundle(ref: str | os.PathLike, pins: Pins = Pins(), trust_remote_code: bool = False) -> Path:
     """A local bundle directory for `ref`; remote bundles are fetched and fully verified first."""
     if not is_remote(ref):
         return Path(ref)
     remote = remote_for(str(ref))
     local = remote.snapshot()
-    verify_download(local, remote.uri)
+    verify_download(local, remote.uri, pins, trust_remote_code)
     return local
 
 
-def verify_download(root: Path, uri: str) -> None:
-    from .bundle import BundleError, read_manifest, verify_files
+def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code: bool = False) -> None:
+    """Every file present and matching, the user's pins, and for native-code graphs an explicit pin."""
+    from .bundle import bundle_file, read_manifest, verify_files
 
     try:
-        m = read_manifest(root)
-        missing = [f.path for f in m.all_files() if not (root / f.path).is_file()]
+        m = read_manifest(root, pins)
+        missing = [f.path for f in m.all_files() if not bundle_file(root, f.path).is_file()]
         if missing:
             raise RemoteError(f"{uri}: incomplete download, {len(missing)} file(s) missing (first: {missing[0]}); "
                               "the remote bundle is partial — push it again")
         verify_files(root, m)
+    except RemoteError:
+        raise
     except BundleError as e:
-        raise RemoteError(f"{uri}: the fetched bundle does not verify: {e}") from None
+        raise RemoteError(f"{uri}: the fetched bundle does not verify: {e}") from e
+    if m.backend in NATIVE_CODE_BACKENDS and not pins.any and not trust_remote_code:
+        signed = " or --verify-signature KEY.pub (the bundle is signed)" if (root / SIGNATURE).is_file() else ""
+        raise RemoteError(f"{uri}: this bundle's graphs are native code ({m.backend}) and nothing pins it; pass "
+                          f"--expect-digest sha256:{m.digest} once you have checked that digest with whoever "
+                          f"built it{signed}, or --trust-remote-code")

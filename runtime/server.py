@@ -7,6 +7,12 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: t
 GET /v1/models, /health, /metrics (Prometheus text). The engine runs on one background thread;
 each request gets an asyncio queue fed from that thread. A client that disconnects cancels its
 sequence, which frees its KV-cache row at the engine's next step.
+
+Hostile input gets a 4xx with an OpenAI-style error body before it costs much (runtime/protocol.py:
+body cap 413, slow body 408, JSON depth / number limits, lone surrogates, strict types, unimplemented
+OpenAI fields); prompts far longer than max_model_len are refused before tokenizing. Parsing and
+tokenizing run on a worker thread, so /health stays responsive. An idle connection, or one that
+dribbles its request head, is closed after --timeout-keep-alive seconds (HeadTimeoutH11).
 """
 from __future__ import annotations
 
@@ -19,67 +25,33 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import h11
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .bundle import Bundle, BundleError
 from .chat import ChatTemplate
 from .engine import Engine, Event, QueueFull, Request, RequestError
+from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, ChatRequest, CommonRequest,
+                       CompletionRequest, parse_json, read_body, short_repr, validate)
 from .sampling import SamplingParams
 from .tokenizer import BundleTokenizer
+from .trust import add_trust_args
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = 1
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | None = None
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
+# ---------------------------------------------------------------------------------------- server
 
 class Server:
     def __init__(self, bundle: Bundle, *, speculative: bool = True, max_queue: int = 64,
-                 model_name: str | None = None):
+                 model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = 30.0):
         self.bundle = bundle
         self.tokenizer = BundleTokenizer(bundle.root)
         self.chat = ChatTemplate.from_bundle(bundle.root)
         self.engine = Engine(bundle, detokenize=self.tokenizer.decode, speculative=speculative, max_queue=max_queue)
         self.model_name = model_name or bundle.manifest.name
         self.created = int(time.time())
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -95,27 +67,47 @@ class Server:
 
     # ------------------------------------------------------------------ request handling
 
-    def _sampling(self, r: _Common) -> SamplingParams:
+    def prepare(self, body: bytes, kind: type[CommonRequest]) -> tuple[CommonRequest, list[int], SamplingParams]:
+        """Parse, validate and tokenize one request body: the CPU work, run on a worker thread."""
+        r = validate(kind, parse_json(body))
+        sampling = self._sampling(r)
+        if isinstance(r, ChatRequest):
+            ids = self.chat_ids(r)
+            if r.max_completion_tokens is not None:
+                r.max_tokens = r.max_completion_tokens
+        else:
+            ids = self.prompt_ids(r)
+        return r, ids, sampling
+
+    def _sampling(self, r: CommonRequest) -> SamplingParams:
         if r.model is not None and r.model != self.model_name:
-            raise APIError(404, f"The model `{r.model}` does not exist; this server serves `{self.model_name}`",
+            raise APIError(404, f"The model `{r.model[:100]}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
         if r.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
+        if isinstance(r.stop, list) and len(r.stop) > MAX_STOP:
+            raise APIError(400, f"stop has {len(r.stop)} strings; at most {MAX_STOP} are supported", param="stop")
         p = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed)
         try:
             p.validate()
         except ValueError as e:
-            raise APIError(400, str(e), param=_param_of(str(e))) from None
+            raise APIError(400, str(e), param=_param_of(str(e))) from e
         return p
 
     @staticmethod
-    def _stops(r: _Common) -> tuple[str, ...]:
+    def _stops(r: CommonRequest) -> tuple[str, ...]:
         return (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
 
     def _max_tokens(self, value: int | None, n_prompt: int) -> int:
         if value is None:
             return self.engine.max_len - n_prompt
         return value
+
+    def _check_chars(self, n: int, param: str) -> None:
+        limit = MAX_CHARS_PER_TOKEN * self.engine.max_len
+        if n > limit:
+            raise APIError(400, f"the prompt has {n} characters, more than {limit} ({MAX_CHARS_PER_TOKEN} per token "
+                                f"of max_model_len {self.engine.max_len}); shorten it", param=param)
 
     def prompt_ids(self, r: CompletionRequest) -> list[int]:
         p = r.prompt
@@ -124,7 +116,12 @@ class Server:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             p = p[0]
         if isinstance(p, str):
+            self._check_chars(len(p), "prompt")
             return self.tokenizer.encode(p)
+        bad = next((t for t in p if type(t) is not int), None) if isinstance(p, list) else p
+        if bad is not None or not isinstance(p, list):  # JSON true / 1.0 are not token ids
+            raise APIError(400, f"prompt must be a string or a list of token ids (integers); got {short_repr(bad)}",
+                           param="prompt")
         if not p:
             raise APIError(400, "prompt is empty", param="prompt")
         vocab = self.bundle.manifest.vocab_size
@@ -135,10 +132,12 @@ class Server:
     def chat_ids(self, r: ChatRequest) -> list[int]:
         if self.chat is None:
             raise APIError(400, "this bundle's tokenizer has no chat template; use /v1/completions", param="messages")
+        self._check_chars(sum(len(m.content or "") for m in r.messages), "messages")
         try:
             text = self.chat.render([m.model_dump(exclude_none=True) for m in r.messages])
         except Exception as e:  # a template may raise on unsupported roles
-            raise APIError(400, f"chat template error: {e}", param="messages") from None
+            raise APIError(400, f"chat template error: {e}", param="messages") from e
+        self._check_chars(len(text), "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
@@ -149,10 +148,10 @@ class Server:
         try:
             self.engine.submit(req)
         except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=e.param) from e
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", type_="server_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
+                           headers={"Retry-After": "1"}) from e
         return req, q
 
 
@@ -178,8 +177,66 @@ async def _events(req: Request, q: asyncio.Queue) -> AsyncIterator[Event]:
             req.cancel()
 
 
+async def _collect(req: Request, q: asyncio.Queue) -> tuple[list[int], str, str | None]:
+    tokens, text, reason = [], "", None
+    async for ev in _events(req, q):
+        tokens += ev.token_ids
+        text += ev.text
+        reason = ev.finish_reason
+    return tokens, text, reason
+
+
+async def _client_gone(request: HTTPRequest) -> None:
+    """Returns when the client disconnects (the body is read: the next ASGI message is http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+class _SSE(StreamingResponse):
+    """A stream that cancels its request however it ends: a client that leaves before the first
+    chunk never starts the generator, so _events' own cleanup would not run."""
+
+    def __init__(self, content, req: Request):
+        super().__init__(content, media_type="text/event-stream")
+        self.req = req
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.req.cancel()  # a no-op once the request has finished
+
+
+class HeadTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, with its keep-alive timer also bounding the request head: it starts when
+    the connection opens (uvicorn starts it only after a response) and stops once a whole request
+    head has arrived (uvicorn stops it at any byte), so an idle connection, or one that dribbles
+    its headers (slowloris), is closed after --timeout-keep-alive seconds. After an early answer
+    (413) the same timer bounds how long the rest of the body is drained."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.receive_data(data)  # (without uvicorn's unconditional timer stop)
+        self.handle_events()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a new request's head has arrived: its handler runs untimed
+            self._unset_keepalive_if_required()
+
+    def timeout_keep_alive_handler(self) -> None:
+        try:
+            super().timeout_keep_alive_handler()
+        except h11.LocalProtocolError:  # h11 would not send ConnectionClosed in this state: just close
+            self.transport.close()
 
 
 def create_app(server: Server) -> FastAPI:
@@ -187,18 +244,23 @@ def create_app(server: Server) -> FastAPI:
     metrics = server.engine.metrics
 
     class CountRequests:
-        """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect handling)."""
+        """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect handling).
+        The endpoint label is a route of this app or "other": a client cannot add series."""
 
-        def __init__(self, app):
-            self.app = app
+        def __init__(self, asgi_app):
+            self.app = asgi_app
+            self.routes: set[str] | None = None
 
         async def __call__(self, scope, receive, send):
             if scope["type"] != "http":
                 return await self.app(scope, receive, send)
+            if self.routes is None:
+                self.routes = {r.path for r in app.routes}
+            endpoint = scope["path"] if scope["path"] in self.routes else "other"
 
             async def counting_send(message):
                 if message["type"] == "http.response.start":
-                    metrics.http_requests.labels(scope["path"], str(message["status"])).inc()
+                    metrics.http_requests.labels(endpoint, str(message["status"])).inc()
                 await send(message)
 
             await self.app(scope, receive, counting_send)
@@ -209,21 +271,13 @@ def create_app(server: Server) -> FastAPI:
     async def api_error(_, e: APIError):
         return e.response()
 
-    async def parse(request: HTTPRequest, model: type[BaseModel]):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            msg = f"{loc}: {err['msg']}" if loc else err["msg"]
-            raise APIError(400, msg, param=str(err["loc"][0]) if err["loc"] else None) from None
+    @app.exception_handler(HTTPException)  # unknown path (404), wrong method (405): OpenAI-style bodies too
+    async def http_error(_, e: HTTPException):
+        return APIError(e.status_code, str(e.detail), headers=e.headers).response()
+
+    async def prepare(request: HTTPRequest, kind: type[CommonRequest]):
+        body = await read_body(request, server.max_body_bytes, server.body_timeout)
+        return await asyncio.to_thread(server.prepare, body, kind)
 
     @app.get("/health")
     async def health():
@@ -241,21 +295,15 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        r = await parse(request, CompletionRequest)
-        sampling = server._sampling(r)
-        ids = server.prompt_ids(r)
-        return await respond(r, ids, sampling, chat=False)
+        r, ids, sampling = await prepare(request, CompletionRequest)
+        return await respond(request, r, ids, sampling, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        r = await parse(request, ChatRequest)
-        sampling = server._sampling(r)
-        ids = server.chat_ids(r)
-        if r.max_completion_tokens is not None:
-            r.max_tokens = r.max_completion_tokens
-        return await respond(r, ids, sampling, chat=True)
+        r, ids, sampling = await prepare(request, ChatRequest)
+        return await respond(request, r, ids, sampling, chat=True)
 
-    async def respond(r: _Common, ids: list[int], sampling: SamplingParams, chat: bool):
+    async def respond(request: HTTPRequest, r: CommonRequest, ids: list[int], sampling: SamplingParams, chat: bool):
         max_tokens = server._max_tokens(r.max_tokens, len(ids))
         req, q = server.submit(ids, max_tokens, sampling, server._stops(r), asyncio.get_running_loop())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -266,11 +314,19 @@ def create_app(server: Server) -> FastAPI:
             return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
 
         if not r.stream:
-            tokens, text, reason = [], "", None
-            async for ev in _events(req, q):
-                tokens += ev.token_ids
-                text += ev.text
-                reason = ev.finish_reason
+            # wait for the result, or for the client to leave: then cancel, freeing its row at the next step
+            result = asyncio.ensure_future(_collect(req, q))
+            gone = asyncio.ensure_future(_client_gone(request))
+            try:
+                await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not result.done():
+                    req.cancel()
+                    result.cancel()
+            if not result.done() or result.cancelled():
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+            tokens, text, reason = result.result()
             choice = {"index": 0, "finish_reason": reason, "token_ids": tokens}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -300,7 +356,7 @@ def create_app(server: Server) -> FastAPI:
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return _SSE(stream(), req)
 
     return app
 
@@ -314,13 +370,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a free sequence slot before HTTP 503")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help=f"largest request body; a larger one gets HTTP 413 (default {MAX_BODY_BYTES})")
+    ap.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a client has to send a request body; a slower one gets HTTP 408 (default 30)")
+    ap.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                    help="seconds a connection may sit idle, or take to send a request's headers, before it is "
+                         "closed (default 5)")
+    add_trust_args(ap)
     args = ap.parse_args(argv)
     from .cli import set_threads
     from .tp import open_bundle, shutdown, stop_workers
 
     set_threads(args.threads)
     try:
-        bundle, ctx = open_bundle(args.bundle)
+        bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
     except BundleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -328,12 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         shutdown(ctx)
         return 0
     server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
-                    model_name=args.served_model_name)
+                    model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                    body_timeout=args.body_timeout)
     import uvicorn
 
     server.start()
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning",
+                    http=HeadTimeoutH11, timeout_keep_alive=args.timeout_keep_alive)
     finally:
         server.stop()
         if ctx is not None:

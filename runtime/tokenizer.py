@@ -12,7 +12,8 @@ class BundleTokenizer:
         self.tok = Tokenizer.from_file(str(Path(bundle_root) / "tokenizer" / "tokenizer.json"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not), so a long prompt never stalls other threads
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

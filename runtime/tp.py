@@ -111,21 +111,22 @@ def shutdown(ctx: TPContext | None, barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def open_bundle(path: str | Path) -> tuple[Bundle | None, TPContext | None]:
+def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: str | None = None,
+                trust_remote_code: bool = False) -> tuple[Bundle | None, TPContext | None]:
     """Load this process's rank of a bundle, joining the torchrun world when the bundle is TP.
 
     Rank 0 gets (bundle, ctx) with its graphs announcing every call to the workers; ranks > 0 run
-    the worker loop here until the driver stops them and get (None, ctx). `path` may also be a
-    reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (runtime/remote.py)."""
-    from .remote import RemoteError, resolve_bundle
+    the worker loop here until the driver stops them and get (None, ctx). `ref` may also be a
+    reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (runtime/remote.py);
+    `expect_digest` / `public_key` (or a `#sha256=` on the reference) pin it (runtime/trust.py)."""
+    from .remote import resolve_bundle
+    from .trust import pins
 
+    ref, p = pins(str(ref), expect_digest, public_key)
+    path = resolve_bundle(ref, p, trust_remote_code)
+    ctx = init_tp(read_manifest(Path(path), p))
     try:
-        path = resolve_bundle(path)
-    except RemoteError as e:
-        raise BundleError(str(e)) from None
-    ctx = init_tp(read_manifest(Path(path)))
-    try:
-        bundle = Bundle(path, rank=ctx.rank if ctx else 0)
+        bundle = Bundle(path, rank=ctx.rank if ctx else 0, pins=p)
     except BaseException:
         shutdown(ctx, barrier=False)
         raise

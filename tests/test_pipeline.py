@@ -73,7 +73,7 @@ def test_push_serve_by_reference_and_refuse_tampering(world, tmp_path, monkeypat
     info = json.loads(r.stdout)
     digest = json.loads((world["single"] / "manifest.json").read_text())["digest"]
     assert info["digest"] == digest
-    assert (tmp_path / "remote" / "release" / ".commit_message").read_text().endswith(f"(digest {digest})")
+    assert (tmp_path / "remote" / "release" / ".commit_message").read_text().endswith(f"(digest sha256:{digest})")
 
     r = run_cli("eagle3-build", "pull", remote, "--out", str(tmp_path / "pulled"))
     assert r.returncode == 0 and digest[:16] in r.stderr

@@ -123,7 +123,7 @@ def test_default_buckets_resolved_from_serving(tmp_path):
 
 def test_explicit_buckets_kept(tmp_path):
     text = BASE + "    buckets:\n      prefill: [64, 256]\n      batch: [1, 4]\n"
-    text = text.replace("max_num_seqs: 1", "max_num_seqs: 3")
+    text = text.replace("max_num_seqs: 1", "max_num_seqs: 4")
     pair = load_recipe(write(tmp_path, text)).pairs[0]
     assert pair.buckets.prefill == [64, 256] and pair.buckets.batch == [1, 4]
 
@@ -133,7 +133,7 @@ def test_defaults_deep_merge(tmp_path):
     defaults:
       dtype: float16
       backend: aoti
-      backend_options: {threads: 2}
+      backend_options: {device: cpu}
       serving:
         max_model_len: 512
         max_num_seqs: 2
@@ -149,13 +149,14 @@ def test_defaults_deep_merge(tmp_path):
         dtype: float32
         serving:
           max_num_seqs: 4
-        backend_options: {threads: 8}
+        backend_options: {inductor_configs: {max_autotune: false}}
     """
     a, b = load_recipe(write(tmp_path, text)).pairs
-    assert (a.dtype, a.backend, a.backend_options) == ("float16", "aoti", {"threads": 2})
+    assert (a.dtype, a.backend, a.backend_options) == ("float16", "aoti", {"device": "cpu"})
     assert a.serving.model_dump() == {"max_num_seqs": 2, "max_model_len": 512, "max_num_batched_tokens": 512}
     assert a.speculation.num_speculative_tokens == 4
-    assert (b.dtype, b.backend, b.backend_options) == ("float32", "aoti", {"threads": 8})
+    assert (b.dtype, b.backend, b.backend_options) == (
+        "float32", "aoti", {"device": "cpu", "inductor_configs": {"max_autotune": False}})
     # nested mapping merged key by key: max_model_len from defaults, max_num_seqs from the pair
     assert b.serving.model_dump() == {"max_num_seqs": 4, "max_model_len": 512, "max_num_batched_tokens": 512}
     assert b.buckets.batch == [1, 2, 4]

@@ -55,22 +55,6 @@ class ServerProc:
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.recipe import load_recipe
-    from eagle3_build.tiny import make_tiny_pair
-
-    root = tmp_path_factory.mktemp("server")
-    recipe = make_tiny_pair(root / "pair", draft_format="speculators")
-    text = recipe.read_text().replace("max_num_seqs: 1", "max_num_seqs: 2").replace("batch: [1]", "batch: [1, 2]")
-    recipe.write_text(text)
-    pair = load_recipe(recipe).pairs[0]
-    assert pair.serving.max_num_seqs == 2 and pair.buckets.batch == [1, 2]
-    build_bundle(pair, root / "bundle")
-    return root / "bundle"
-
-
-@pytest.fixture(scope="module")
 def server(bundle):
     s = ServerProc(bundle)
     yield s

@@ -12,6 +12,8 @@ import importlib.util
 from ..errors import UserError
 
 BACKENDS = ("export", "aoti", "neuron")
+# the backend_options each backend understands (checked by the recipe, with its line, and by get_backend)
+BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs"), "neuron": ("compiler_args", "fold_env_flags")}
 NEURON_SDK = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "libneuronxla": "libneuronxla"}
 NEURON_INSTALL_HINT = (
     "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host "
@@ -35,8 +37,25 @@ def preflight(name: str) -> None:
                 "`eagle3-build plan RECIPE --backend neuron` lists every NEFF with its exact compiler command")
 
 
+def unknown_option_message(name: str, key) -> str | None:
+    """Why `key` is not a backend_options key of backend `name` (None if it is one)."""
+    accepted = BACKEND_OPTIONS[name]
+    if key in accepted:
+        return None
+    takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
+    return f"unknown option {key!r} for backend {name} ({takes})"
+
+
+def check_backend_options(name: str, options: dict | None) -> None:
+    for key in options or {}:
+        message = unknown_option_message(name, key)
+        if message:
+            raise UserError(f"backend_options.{key}: {message}")
+
+
 def get_backend(name: str, options: dict | None = None):
     preflight(name)
+    check_backend_options(name, options)
     if name == "export":
         from . import export
 

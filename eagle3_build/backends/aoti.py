@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from ..cache import atomic_write
 from ..errors import UserError
+from . import check_backend_options
 from .pt2 import set_serialization_id
 
 NAME = "aoti"
@@ -37,6 +38,7 @@ class AotiBackend:
     NAME, SUFFIX, JOB_MEMORY_GB = NAME, SUFFIX, JOB_MEMORY_GB
 
     def __init__(self, backend_options: dict):
+        check_backend_options(NAME, backend_options)
         opts = dict(backend_options or {})
         self.device = opts.pop("device", "cpu")
         if self.device not in DEVICES:
@@ -46,9 +48,6 @@ class AotiBackend:
                             "build); build on a GPU host or use device: cpu")
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
-        if opts:
-            raise UserError(f"backend_options {sorted(opts)} are not understood by backend aoti "
-                            "(it takes device and inductor_configs)")
 
     def version(self) -> str:
         return torch.__version__

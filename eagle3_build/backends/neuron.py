@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from . import NEURON_SDK, preflight
+from . import NEURON_SDK, check_backend_options, preflight
 
 NAME = "neuron"
 SUFFIX = ".pt"
@@ -104,6 +104,7 @@ class NeuronBackend:
     NAME, SUFFIX = NAME, SUFFIX
 
     def __init__(self, backend_options: dict):
+        check_backend_options(NAME, backend_options)
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
         self.args = compiler_args(backend_options)
         self.target = flag_value(self.args, "--target") or "trn2"

@@ -1,0 +1,274 @@
+"""A build never deletes what it did not create, and cleans up after builds that were killed.
+
+--out onto user data / a file / . .. / is refused before any work; a rebuild keeps the old bundle until
+the new one is complete; SIGTERM stops a build like Ctrl-C; after kill -9 at three points of a build the
+next build leaves no temporary directory behind and writes the same bundle as a clean build."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from test_cache import compile_json
+
+CODE = "import sys; from eagle3_build.cli import main; sys.argv[0] = 'eagle3-build'; sys.exit(main())"
+
+
+@pytest.fixture(scope="module")
+def world(tiny_bundles):
+    """The session's tiny pair and its bundle (a clean build), and the compile cache it was built in
+    (read only: every build here gets a cache of its own)."""
+    pair, ref = tiny_bundles.get("speculators", 3)
+    manifest = json.loads((ref / "manifest.json").read_text())
+    return {"recipe": pair / "recipe.yaml", "ref": ref, "cache": Path(os.environ["EAGLE3_BUILD_CACHE"]),
+            "digest": manifest["digest"], "keys": {g["name"]: g["key"] for g in manifest["graphs"]}}
+
+
+def old_bundle(world, dest: Path) -> Path:
+    """A copy of the reference bundle marked as the old one (created_at is outside the digest)."""
+    shutil.copytree(world["ref"], dest)
+    m = json.loads((dest / "manifest.json").read_text())
+    (dest / "manifest.json").write_text(json.dumps({**m, "created_at": "old"}))
+    return dest
+
+
+def warm(world, cache: Path, missing: str | None = None) -> Path:
+    """Give `cache` the pair's compiled graphs and trace memos (all but graph `missing`)."""
+    shutil.copytree(world["cache"] / "traces", cache / "traces", dirs_exist_ok=True)
+    for name, key in world["keys"].items():
+        if name != missing:
+            shutil.copytree(world["cache"] / "graphs" / key[:2] / key, cache / "graphs" / key[:2] / key,
+                            dirs_exist_ok=True)
+    return cache
+
+
+def created_at(bundle: Path) -> str:
+    return json.loads((bundle / "manifest.json").read_text())["created_at"]
+
+
+def leftovers(parent: Path, cache: Path) -> list[str]:
+    """Temporary directories of builds: hidden siblings in the out parent, entries in the cache's tmp/."""
+    found = [p.name for p in parent.iterdir() if p.name.startswith(".")]
+    if (cache / "tmp").is_dir():
+        found += [f"tmp/{p.name}" for p in (cache / "tmp").iterdir()]
+    return found
+
+
+def workers_of(pid: int) -> list[int]:
+    """Compile workers still running for the build process `pid` (their command line names it)."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"--serve\0export\0{pid}".encode() in (proc / "cmdline").read_bytes():
+                alive.append(int(proc.name))
+        except OSError:
+            continue
+    return alive
+
+
+def start_build(recipe: Path, out: Path, cache: Path, *extra: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CODE, "compile", str(recipe), "--out", str(out), "--json",
+                             "--no-verify", *extra], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=dict(os.environ, EAGLE3_BUILD_CACHE=str(cache)))
+
+
+def stop_at(p: subprocess.Popen, marker: str, sig: int) -> bool:
+    """Send `sig` once a progress line contains `marker`; False when the build ended before that."""
+    for line in p.stdout:
+        if marker in line:
+            p.send_signal(sig)
+            return True
+    return False
+
+
+# ------------------------------------------------------------------ refused before any work
+
+def test_out_onto_user_data_or_protected_paths_is_refused_before_any_work(world, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from eagle3_build.cli import app
+
+    root = tmp_path / "user"
+    (root / "mydata").mkdir(parents=True)
+    (root / "mydata" / "notes.txt").write_text("mine")
+    (root / "mydata" / "manifest.json").write_text('{"hello": "a manifest.json this tool did not write"}')
+    (root / "report.pdf").write_text("mine too")
+    before = sorted(p.name for p in root.iterdir())
+    cache = tmp_path / "cache"  # stays absent: nothing was loaded, traced or compiled
+    monkeypatch.chdir(root)
+    cases = {"mydata": "is not a bundle written by eagle3-build", "report.pdf": "is an existing file",
+             ".": "the current directory", "..": "the current directory", "/": "the current directory"}
+    for out, why in cases.items():  # in-process: the command's own checks, without another interpreter start
+        r = CliRunner().invoke(app, ["compile", str(world["recipe"]), "--out", out, "--json", "--no-verify"],
+                               env={"EAGLE3_BUILD_CACHE": str(cache)})
+        assert r.exit_code == 2, (out, r.output)
+        assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, (out, r.output)
+    # the real entry point: one line, exit 2
+    r = run_cli("eagle3-build", "compile", str(world["recipe"]), "--out", "report.pdf", cwd=root,
+                env={"EAGLE3_BUILD_CACHE": str(cache)})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "choose another --out path or remove the file yourself" in r.stderr
+    assert sorted(p.name for p in root.iterdir()) == before  # no hidden .old / .tmp sibling
+    assert (root / "mydata" / "notes.txt").read_text() == "mine" and (root / "report.pdf").read_text() == "mine too"
+    assert not cache.exists()
+
+
+def test_out_onto_checkpoints_home_or_cache_is_refused(world, tmp_path, monkeypatch):
+    from eagle3_build.bundle import check_out
+    from eagle3_build.errors import UserError
+    from eagle3_build.recipe import load_recipe
+
+    (pair,) = load_recipe(world["recipe"]).pairs
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    keep = [("the compile cache", tmp_path / "cache")]
+    for out, why in [(world["recipe"].parent, "the target checkpoint"), (Path(pair.draft.path), "the draft checkpoint"),
+                     (tmp_path / "home", "your home directory"), (tmp_path, "your home directory"),
+                     (tmp_path / "cache", "the compile cache")]:
+        with pytest.raises(UserError, match=why):
+            check_out(out, pair, keep)
+    check_out(tmp_path / "home" / "bundles" / "b", pair, keep)  # a new directory is fine
+    (tmp_path / "empty").mkdir()
+    check_out(tmp_path / "empty", pair, keep)  # and so is an empty one
+
+
+# ------------------------------------------------------------------ the old bundle stays until the new one is whole
+
+def test_failed_rebuild_keeps_the_old_bundle(world, tmp_path):
+    out = old_bundle(world, tmp_path / "art" / "b")
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    cache = warm(world, tmp_path / "cache", missing="target_decode_b1")  # that graph compiles again, and fails
+    r, ev = compile_json(world["recipe"], out, cache, env={"EAGLE3_BUILD_INJECT_FAILURE": "target_decode_b1"})
+    assert r.returncode == 1 and any(e["event"] == "graph_failed" for e in ev), r.stderr
+    assert created_at(out) == "old" and sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == files
+    assert leftovers(out.parent, cache) == []
+
+
+def test_sigterm_stops_the_build_like_ctrl_c(world, tmp_path):
+    out, cache = old_bundle(world, tmp_path / "art" / "b"), tmp_path / "cache"
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as f:
+        p = start_build(world["recipe"], out, cache, "--jobs", "2", stderr=f)
+    try:
+        assert stop_at(p, '"status": "compiling"', signal.SIGTERM)
+        rc = p.wait(timeout=60)
+    finally:
+        p.kill()
+    stderr = err.read_text()
+    assert rc == 143, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
+    assert workers_of(p.pid) == []
+    assert created_at(out) == "old" and leftovers(out.parent, cache) == []
+
+
+# ------------------------------------------------------------------ kill -9, then one more build cleans up
+
+def test_kill_9_at_three_points_then_the_next_build_cleans_up(world, tmp_path):
+    """Each killed build leaves its temporary directories (the next one removes them); the old bundle stays."""
+    out, cache = old_bundle(world, tmp_path / "art" / "b"), tmp_path / "cache"
+    points = [("load/tracing", '"stage": "graphs"', (), lambda: None),  # cold cache: every graph is traced
+              ("weight writing", '"stage": "weights (target)"', (), lambda: warm(world, cache)),  # no compile
+              ("graph compile", '"status": "compiling"', ("--jobs", "2"),  # one graph to compile, in cache/tmp
+               lambda: shutil.rmtree(next(cache.glob(f"graphs/*/{world['keys']['target_verify_b1']}"))))]
+    for name, marker, extra, prepare in points:
+        prepare()
+        for _ in range(3):  # (the tiny pair's weights take ~0.1 s: retry if the kill came too late)
+            if created_at(out) != "old":
+                shutil.rmtree(out)
+                old_bundle(world, out)
+            seen = set(leftovers(out.parent, cache))
+            p = start_build(world["recipe"], out, cache, *extra)
+            try:
+                hit = stop_at(p, marker, signal.SIGKILL)
+                p.wait(timeout=60)  # (reaped: its pid is gone)
+            finally:
+                p.kill()
+                p.stdout.close()
+            time.sleep(0.2)
+            assert workers_of(p.pid) == [], name  # its workers died with it (PR_SET_PDEATHSIG)
+            new = set(leftovers(out.parent, cache)) - seen
+            if hit and created_at(out) == "old" and new:
+                break
+        else:
+            pytest.fail(f"kill -9 during {name} never left a temporary directory")
+        assert any(n.startswith(".b.tmp-") for n in new), (name, new)
+        assert name != "graph compile" or any(n.startswith("tmp/") for n in new), new
+        assert created_at(out) == "old", name  # the old bundle is still there, whole
+
+    r, _ = compile_json(world["recipe"], out, cache)
+    assert r.returncode == 0, r.stderr
+    assert leftovers(out.parent, cache) == []
+    assert created_at(out) != "old"
+    assert json.loads((out / "manifest.json").read_text())["digest"] == world["digest"]
+
+
+# ------------------------------------------------------------------ the clean-up rules (no build)
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_only_killed_builds_leftovers_are_removed(tmp_path):
+    from eagle3_build.bundle import clean_leftovers
+    from eagle3_build.cache import HOST, CompileCache
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another build, running
+    try:
+        dead, hex32 = dead_pid(), "0" * 32
+        cache = CompileCache(tmp_path / "cache")
+        names = {"dead": f"{dead}-{HOST}-{hex32}", "drop": f"drop-{dead}-{HOST}-{hex32}",
+                 "live": f"{live.pid}-{HOST}-{hex32}", "mine": f"{os.getpid()}-{HOST}-{hex32}",
+                 "other host": f"{dead}-0badc0de-{hex32}", "not ours": f"{hex32}", "user": "notes"}
+        parent = tmp_path / "art"
+        siblings = {"dead": f".b.tmp-{dead}-{HOST}-abcd1234", "dead old": f".c.old-{dead}-{HOST}",
+                    "live": f".b.tmp-{live.pid}-{HOST}-abcd1234", "other host": f".b.tmp-{dead}-0badc0de-x",
+                    "user": ".b.tmp-mine", "user old": ".b.old-1234"}
+        for d in [*(cache.root / "tmp" / n for n in names.values()), *(parent / n for n in siblings.values())]:
+            d.mkdir(parents=True)
+        (parent / "c").mkdir()  # (c exists: its stale .old is removed, not put back)
+        recent = cache.root / "tmp" / f"{dead}-{HOST}-{'1' * 32}"
+        time.sleep(0.05)
+        start = time.time()
+        time.sleep(0.05)
+        recent.mkdir()  # changed after this build started: left for later
+        cache.clean_tmp(start)
+        clean_leftovers(parent, start)
+        assert sorted(p.name for p in (cache.root / "tmp").iterdir()) == sorted(
+            [names[k] for k in ("live", "mine", "other host", "not ours", "user")] + [recent.name])
+        assert sorted(p.name for p in parent.iterdir()) == sorted(
+            ["c"] + [siblings[k] for k in ("live", "other host", "user", "user old")])
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_death_between_the_two_renames_is_recovered(world, tmp_path, monkeypatch):
+    """Where the filesystem cannot swap directories, the old bundle is out of place between two renames:
+    a build killed there has it put back by the next build (and a whole replace leaves nothing behind)."""
+    from eagle3_build import bundle
+    from eagle3_build.cache import HOST
+
+    def no_exchange(a, b):
+        raise OSError(22, "not supported here")
+
+    monkeypatch.setattr(bundle, "_exchange", no_exchange)
+    parent = tmp_path / "art"
+    out = old_bundle(world, parent / "b")
+    new = parent / ".b.tmp-new"
+    shutil.copytree(world["ref"], new)
+    bundle.replace_dir(new, out)
+    assert created_at(out) != "old" and sorted(p.name for p in parent.iterdir()) == ["b"]
+
+    dead = dead_pid()  # killed after `b -> .b.old-…`, before `.b.tmp-… -> b`
+    shutil.rmtree(out)
+    old_bundle(world, parent / f".b.old-{dead}-{HOST}")
+    shutil.copytree(world["ref"], parent / f".b.tmp-{dead}-{HOST}-abcd1234")
+    bundle.clean_leftovers(parent, time.time() + 1)
+    assert sorted(p.name for p in parent.iterdir()) == ["b"] and created_at(out) == "old"
