@@ -69,8 +69,10 @@ class RichReporter:
         return self
 
     def __exit__(self, *exc):
+        failed = exc[0] is not None
+        self.live.transient = failed  # a failed build ends on its one error line, not on a progress frame
         self.live.__exit__(*exc)
-        if not self.live.console.is_terminal:  # Live leaves its last frame without a newline there
+        if not failed and not self.live.console.is_terminal:  # Live leaves its last frame without a newline
             self.live.console.line()
 
     def __call__(self, ev: dict) -> None:

@@ -314,6 +314,13 @@ def test_cli_bad_input(tmp_path):
     assert r.returncode == 2 and "no such bundle directory" in r.stderr and "Traceback" not in r.stderr
 
 
+def redigest(raw: dict) -> dict:
+    """A manifest edited as data gets its digest recomputed (the runtime always checks it)."""
+    from eagle3_runtime.manifest import Manifest
+
+    return dict(raw, digest=Manifest.model_validate(dict(raw, digest="")).compute_digest())
+
+
 def test_bad_input_is_refused(pairs, tmp_path):
     """Bad prompts, a corrupt bundle, a missing target: one VerifyError each (exit 2 in the CLI), before
     any slow work where possible."""
@@ -348,7 +355,7 @@ def test_bad_input_is_refused(pairs, tmp_path):
     shutil.copytree(pairs.bundle("intact"), moved, ignore=shutil.ignore_patterns("*.safetensors", "*.pt2"))
     m = json.loads((moved / "manifest.json").read_text())
     m["recipe"]["target"]["path"] = str(tmp_path / "elsewhere")
-    (moved / "manifest.json").write_text(json.dumps(m))
+    (moved / "manifest.json").write_text(json.dumps(redigest(m)))
     with pytest.raises(VerifyError, match="not on this machine; pass --target PATH"):
         verify_bundle(moved)
     with pytest.raises(VerifyError, match="--target .*: not a checkpoint directory"):
@@ -365,9 +372,10 @@ def test_run_verify_skips_what_it_cannot_run(pairs, tmp_path):
     b = tmp_path / "b"
     b.mkdir()
     m = json.loads((pairs.bundle("intact") / MANIFEST).read_text())
-    for update, words in (({"tp_degree": 2}, "TP 2"), ({"recipe": dict(m["recipe"], verify={"num_prompts": 0})},
-                                                        "num_prompts is 0")):
-        (b / MANIFEST).write_text(json.dumps(dict(m, **update)))
+    tp2_models = {k: dict(v, weight_files=v["weight_files"] * 2) for k, v in m["models"].items()}
+    for update, words in (({"tp_degree": 2, "models": tp2_models}, "TP 2"),
+                          ({"recipe": dict(m["recipe"], verify={"num_prompts": 0})}, "num_prompts is 0")):
+        (b / MANIFEST).write_text(json.dumps(redigest(dict(m, **update))))
         buf = io.StringIO()
         assert run_verify(b, Console(file=buf, width=200)) is True
         assert "skipped" in buf.getvalue() and words in buf.getvalue()
