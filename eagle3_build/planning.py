@@ -19,8 +19,8 @@ import torch
 
 from .bundle import DTYPES, LoadedPair, build_models, graph_plan, load_pair, tokens_per_call, trace_graphs
 from .cache import CompileCache
-from .checkpoints import (TARGET_ARGS, ResolvedSource, TargetCheckpoint, TensorSource,
-                          draft_checkpoint)
+from .checkpoints import (TARGET_ARGS, ResolvedSource, TargetCheckpoint, TensorSource, draft_checkpoint,
+                          read_config)
 from .compiler import default_jobs, static_estimate
 from .errors import UserError
 from .pair import build_draft, build_target
@@ -73,15 +73,15 @@ def _names_only(shapes: dict[str, list[int]], origin: str) -> TensorSource:
 
 def _config_dir(spec, role: str) -> tuple[Path, dict, str]:
     """(directory, config, where it came from) for an hf:// source, without downloading weights."""
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
+    try:
         d = Path(snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=["*.json"],
                                    local_files_only=True))
-        if (d / "config.json").exists():
-            return d, {"config": json.loads((d / "config.json").read_text())}, "hub cache"
     except Exception:  # not cached: fall back to the bundled copy
-        pass
+        d = None
+    if d is not None and (d / "config.json").exists():
+        return d, {"config": read_config(d, role)}, "hub cache"  # (type-checked like any checkpoint's)
     known = KNOWN / f"{spec.repo_id.replace('/', '--')}.json"
     if known.exists():
         return KNOWN, json.loads(known.read_text()), "bundled planning copy"

@@ -99,7 +99,7 @@ def gpt_oss_args(cfg: dict, role: str) -> GptOssArgs:
             attention_bias=bool(cfg.get("attention_bias", True)), rope=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 131072))
     except KeyError as e:
-        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from None
+        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from e
 
 
 class GptOssRMSNorm(RMSNorm):

@@ -72,7 +72,7 @@ def llama_args(cfg: dict, role: str) -> LlamaArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope=rope_params(cfg), max_position_embeddings=cfg.get("max_position_embeddings", 8192))
     except KeyError as e:
-        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from None
+        raise CheckpointError(f"{role} config.json lacks {e.args[0]!r}") from e
 
 
 def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
