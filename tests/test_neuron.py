@@ -199,3 +199,33 @@ def test_contract_neuron_backend_traces_every_graph(standin_sdk, tmp_path, monke
     export_out = Engine(Bundle(export_dir)).generate(ids, 24)
     assert neuron_out.token_ids == export_out.token_ids
     assert neuron_out.stats.num_drafts > 0
+
+
+def test_pypi_placeholder_sdk_is_refused_in_one_line(tmp_path):
+    """PyPI's torch-neuronx is a 'WRONG PACKAGE' placeholder: find_spec finds it, importing it raises.
+    The build refuses it as not installed, naming the Neuron pip repository, before touching torch."""
+    from eagle3_build.tiny import make_tiny_pair
+
+    site = tmp_path / "site"
+    (site / "torch_neuronx").mkdir(parents=True)
+    (site / "torch_neuronx" / "__init__.py").write_text(
+        'raise ImportError("WRONG PACKAGE. Please install the package from Neuron Repository - '
+        'pip.repos.neuron.amazonaws.com")\n')
+    info = site / "torch_neuronx-1.0.dist-info"  # the placeholder wheel's own metadata
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-neuronx\nVersion: 1.0\n\n"
+                                   "WRONG PACKAGE. Please install the package from Neuron Repository - "
+                                   "pip.repos.neuron.amazonaws.com\n")
+    (info / "RECORD").write_text("")
+    recipe = make_tiny_pair(tmp_path / "pair")
+    code = ("import sys; sys.path.insert(0, sys.argv[3]); from eagle3_build.cli import main; "
+            "sys.argv = ['eagle3-build', 'compile', sys.argv[1], '--backend', 'neuron', '--out', sys.argv[2]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH'); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(recipe), str(tmp_path / "out"), str(site)],
+                       capture_output=True, text=True, timeout=60)
+    msg = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "NO_TORCH" in r.stdout, r.stderr
+    assert "SDK and torch-neuronx, neuronx-cc, libneuronxla are not installed" in msg, msg
+    assert "placeholder" in msg and "pip.repos.neuron.amazonaws.com" in msg
+    assert "Traceback" not in r.stderr and "WRONG PACKAGE" not in r.stderr

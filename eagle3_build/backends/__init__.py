@@ -7,6 +7,7 @@ output_specs(module, example_args) and compile_exported(ep, out_path, key) -> in
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
 from ..errors import UserError
@@ -22,7 +23,17 @@ NEURON_INSTALL_HINT = (
 
 
 def missing_neuron_sdk() -> list[str]:
-    return [dist for mod, dist in NEURON_SDK.items() if importlib.util.find_spec(mod) is None]
+    """The SDK packages that are absent, or are PyPI's "WRONG PACKAGE" placeholders (found, but importing
+    them raises); read from the installed metadata, without importing anything."""
+    return [dist for mod, dist in NEURON_SDK.items() if importlib.util.find_spec(mod) is None or _placeholder(dist)]
+
+
+def _placeholder(dist: str) -> bool:
+    try:
+        meta = importlib.metadata.metadata(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return "WRONG PACKAGE" in f"{meta.get('Summary', '')} {meta.get_payload() or ''}"
 
 
 def preflight(name: str) -> None:
@@ -33,7 +44,8 @@ def preflight(name: str) -> None:
         if missing:
             raise UserError(
                 f"backend neuron needs the Neuron SDK and {', '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not installed: {NEURON_INSTALL_HINT}. Without the SDK, "
+                f"{'is' if len(missing) == 1 else 'are'} not installed (or only PyPI's placeholder): "
+                f"{NEURON_INSTALL_HINT}. Without the SDK, "
                 "`eagle3-build plan RECIPE --backend neuron` lists every NEFF with its exact compiler command")
 
 
