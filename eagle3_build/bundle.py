@@ -289,20 +289,20 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
     dtype = DTYPES[pair.dtype]
     K = pair.speculation.num_speculative_tokens
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
-    fields = backend.key_fields()
-    common = {"backend": fields, "dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
+    common = {"dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
               "L": pair.serving.max_model_len, "state": {k: v.model_dump() for k, v in bm.state.items()},
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
     for spec in (specs if specs is not None else graph_plan(pair)):
         model = bm.models[spec.model][0]
+        fields = backend.key_fields(spec.role)
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
         ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
                           dtype=dtype)
         inputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, s, x in ins]
-        tkey = trace_key({**common, "role": spec.role, "bucket": spec.bucket,
+        tkey = trace_key({**common, "backend": fields, "role": spec.role, "bucket": spec.bucket,
                           "weights": [bm.weight_shapes[q][0] for q in qnames if q in bm.weight_shapes]})
         memo = cache.get_trace(tkey)
         hit = cache.get(memo["key"]) if memo is not None else None

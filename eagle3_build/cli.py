@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -368,6 +369,9 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         ins = " ".join(f"{i.name}{i.shape}" for i in g.inputs)
         t.add_row(g.name, g.role, str(g.bucket), ins, f"{g.file.size / 1e3:.0f} kB", g.file.sha256[:12])
     out_console.print(t)
+    flags = {g.role: g.backend["compiler_args"] for g in m.graphs if g.backend.get("compiler_args")}
+    for role, args in flags.items():  # neuron: neuronx-cc flags per role
+        out_console.print(f"neuronx-cc {role}: {shlex.join(args)}", highlight=False, soft_wrap=True)
     for name, model in m.models.items():
         size = sum(f.size for f in model.weight_files)
         out_console.print(f"weights {name}: {len(model.tensors)} tensors, {size / 1e6:.1f} MB, "

@@ -191,7 +191,7 @@ class Scheduler:
         try:
             if injected(job.name) == "fail":  # (":crash" only applies to worker processes)
                 raise RuntimeError(f"injected failure ({INJECT_ENV})")
-            info = self.backend.compile_exported(job.ep, out, job.key)
+            info = self.backend.compile_exported(job.ep, out, job.key, job.role)
         except Exception as e:
             shutil.rmtree(staged, ignore_errors=True)
             self._failed(job, f"{type(e).__name__}: {e}", traceback.format_exc(), time.perf_counter() - t0)
@@ -336,7 +336,7 @@ class _Task:
             if inject == "crash" and attempt > 1:
                 inject = None  # a transient fault: the retry succeeds
             (d / "task.json").write_text(json.dumps({
-                "graph": job.name, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
+                "graph": job.name, "role": job.role, "key": job.key, "backend": s.backend.NAME, "backend_options": s.options,
                 "suffix": s.backend.SUFFIX, "tp": s.tp, "inject": inject, "cache_root": str(s.cache.root)}))
         except BaseException:  # (Ctrl-C while staging) leave no staging directory behind
             shutil.rmtree(d, ignore_errors=True)
@@ -421,7 +421,7 @@ def run_task(staging: Path, backends: dict) -> int:
             ep = torch.export.load(staging / "input.pt2")
             if task.get("inject"):
                 raise RuntimeError(f"injected failure ({INJECT_ENV})")
-            info = backend.compile_exported(ep, staging / "out" / f"graph{task['suffix']}", task["key"])
+            info = backend.compile_exported(ep, staging / "out" / f"graph{task['suffix']}", task["key"], task["role"])
     except Exception as e:
         traceback.print_exc()
         (staging / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))

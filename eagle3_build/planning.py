@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3_runtime.manifest import ROLE_MODEL
+
 from .bundle import DTYPES, LoadedPair, build_models, graph_plan, load_pair, tokens_per_call, trace_graphs
 from .cache import CompileCache
 from .checkpoints import (TARGET_ARGS, ResolvedSource, TargetCheckpoint, TensorSource, draft_checkpoint,
@@ -55,7 +57,7 @@ class PairPlan:
     graphs: list[PlannedGraph]
     jobs: int | None
     estimate_s: float | None  # wall time of the misses at `jobs` parallel jobs
-    compiler_args: list[str] | None = None
+    compiler_args: dict[str, list[str]] | None = None  # neuron: neuronx-cc flags per graph role
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -162,7 +164,7 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     if pair.backend == "neuron":
         from .backends.neuron import compiler_args, neuronx_cc_command
 
-        cc_args = compiler_args(pair.backend_options)
+        cc_args = {role: compiler_args(pair.backend_options, role) for role in ROLE_MODEL}
     dtype = DTYPES[pair.dtype]
     from .graphs import step_inputs
 
@@ -185,7 +187,7 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
                          status, key, None if est is None else round(est, 1))
         if cc_args is not None:
             g.artifact = f"graphs/{spec.name}.neff"
-            g.compiler_command = neuronx_cc_command(spec.name, cc_args)
+            g.compiler_command = neuronx_cc_command(spec.name, cc_args[spec.role])
         graphs.append(g)
     jobs = default_jobs(backend, sum(g.cache != "hit" for g in graphs)) if backend is not None else None
     total = None

@@ -13,7 +13,16 @@ from conftest import run_cli
 from eagle3_build.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none", "-O1"]
+COMMON = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none"]
+# NxDI's defaults (models/model_wrapper.py): context encoding vs token generation / fused speculation
+CONTEXT = COMMON + ["-O1", "--tensorizer-options=--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2 "
+                           "--vectorize-strided-dma",
+                    "--internal-hlo2tensorizer-options=--modular-flow-mac-threshold=10 --verify-hlo=true"]
+TOKEN = COMMON + ["-O2", "--tensorizer-options=--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=1 "
+                         "--vectorize-strided-dma",
+                  "--internal-hlo2tensorizer-options=--verify-hlo=true"]
+ROLE_DEFAULTS = {"target_prefill": CONTEXT, "draft_prefill": CONTEXT, "target_verify": TOKEN,
+                 "target_decode": TOKEN, "draft_catchup": TOKEN, "draft_step": TOKEN}
 
 
 def test_missing_sdk_fails_fast_without_loading_anything(tmp_path):
@@ -42,7 +51,7 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
     assert r.returncode == 0, r.stderr
     (plan,) = json.loads(r.stdout)
     assert plan["backend"] == "neuron" and plan["tp_degree"] == tp and len(plan["graphs"]) == graphs
-    assert plan["compiler_args"] == DEFAULT
+    assert plan["compiler_args"] == ROLE_DEFAULTS  # the seed recipes set only --target / --lnc / --model-type
     # configs only (bundled planning copies: no network, no weights): per-rank weight bytes
     per_rank = plan["weight_bytes_per_rank"]["target"]
     if tp == 8:  # Llama-3.1-8B in bf16: 8.03e9 params x 2 bytes / 8 ranks
@@ -54,18 +63,30 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
         assert g["artifact"] == f"graphs/{g['name']}.neff"
         assert g["compiler_command"].startswith(f"neuronx-cc compile --framework XLA {g['name']}.hlo.pb --output "
                                                 f"{g['name']}.neff --target trn2 --lnc 2")
+        assert (" -O1 " in g["compiler_command"]) == g["role"].endswith("prefill")
+        assert ("--cc-pipeline-tiling-factor=1" in g["compiler_command"]) == (not g["role"].endswith("prefill"))
 
 
 def test_compiler_flags():
     from eagle3_build.backends.neuron import compiler_args
 
-    assert compiler_args({}, environ={}) == DEFAULT
-    got = compiler_args({"compiler_args": ["-O2", "--lnc", "1", "--enable-fast-loading-neuron-binaries"]}, environ={})
-    assert got == ["--target", "trn2", "--lnc", "1", "--model-type", "transformer", "--auto-cast", "none", "-O2",
-                   "--enable-fast-loading-neuron-binaries"]
+    for role, default in ROLE_DEFAULTS.items():
+        assert compiler_args({}, role, environ={}) == default
+    # recipe flags replace the defaults of the same name (any -O level the other), for every role ...
+    got = compiler_args({"compiler_args": ["-O3", "--lnc", "1", "--enable-fast-loading-neuron-binaries"]},
+                        "target_prefill", environ={})
+    assert got == ["--target", "trn2", "--lnc", "1", "--model-type", "transformer", "--auto-cast", "none", *CONTEXT[9:],
+                   "-O3", "--enable-fast-loading-neuron-binaries"]
+    # ... and role_compiler_args for one role, last
+    opts = {"compiler_args": ["-O3"], "role_compiler_args": {"target_verify": "-O1 --tensorizer-options='--x'"}}
+    verify = compiler_args(opts, "target_verify", environ={})
+    assert "--tensorizer-options=--x" in verify and "-O1" in verify and not {"-O2", "-O3"} & set(verify)
+    assert "-O3" in compiler_args(opts, "target_decode", environ={})
+    with pytest.raises(UserError, match="unknown role.*target_verfy"):
+        compiler_args({"role_compiler_args": {"target_verfy": ["-O1"]}}, "target_decode", environ={})
     with pytest.raises(UserError, match="NEURON_CC_FLAGS is set"):
-        compiler_args({}, environ={"NEURON_CC_FLAGS": "--auto-cast all"})
-    folded = compiler_args({"fold_env_flags": True}, environ={"NEURON_CC_FLAGS": "--auto-cast all"})
+        compiler_args({}, "draft_step", environ={"NEURON_CC_FLAGS": "--auto-cast all"})
+    folded = compiler_args({"fold_env_flags": True}, "draft_step", environ={"NEURON_CC_FLAGS": "--auto-cast all"})
     assert folded[folded.index("--auto-cast") + 1] == "all"
 
 
@@ -115,12 +136,13 @@ class StandInNeuronx:
     def __init__(self):
         self.calls = []
 
-    def trace(self, func, example_inputs, *_, input_output_aliases=None, compiler_workdir=None, compiler_args=None,
-              inline_weights_to_neff=True, **kw):
+    def trace(self, func, example_inputs, *_, input_output_aliases={}, compiler_workdir=None, compiler_args=None,
+              partitioner_config=None, inline_weights_to_neff=True, cpu_backend=False):
+        # the documented signature (aws-neuron-sdk api-torch-neuronx-trace.rst): no other keyword is accepted
         outs = func(*[x.clone() for x in example_inputs])
         self.calls.append({"func": func, "inputs": example_inputs, "aliases": input_output_aliases,
                            "workdir": compiler_workdir, "args": compiler_args, "inline": inline_weights_to_neff,
-                           "n_outputs": len(outs)})
+                           "cpu_backend": cpu_backend, "n_outputs": len(outs)})
         Path(compiler_workdir, "graph.neff").write_bytes(b"NEFF stand-in")
         return torch.jit.trace(func, tuple(x.clone() for x in example_inputs), check_trace=False, strict=False)
 
@@ -163,12 +185,15 @@ def test_contract_neuron_backend_traces_every_graph(standin_sdk, tmp_path, monke
     pair = load_recipe(recipe).pairs[0]
     export_dir = tmp_path / "export"
     build_bundle(pair, export_dir)
-    neuron_pair = pair.model_copy(update={"backend": "neuron",
-                                          "backend_options": {"compiler_args": ["-O2"]}})
+    neuron_pair = pair.model_copy(update={"backend": "neuron", "backend_options": {
+        "compiler_args": ["-O3"], "role_compiler_args": {"target_prefill": ["--enable-fast-loading-neuron-binaries"]}}})
     out = tmp_path / "neuron"
     m = build_bundle(neuron_pair, out)
 
-    expected_args = [a if a != "-O1" else "-O2" for a in DEFAULT]
+    def expected_args(role):
+        args = [a for a in ROLE_DEFAULTS[role] if a not in ("-O1", "-O2")] + ["-O3"]
+        return args + (["--enable-fast-loading-neuron-binaries"] if role == "target_prefill" else [])
+
     assert len(standin_sdk.calls) == len(m.graphs) == 8
     for call, g in zip(standin_sdk.calls, m.graphs):
         # example inputs: the KV cache, then rank and the graph's step inputs, with manifest shapes
@@ -179,14 +204,18 @@ def test_contract_neuron_backend_traces_every_graph(standin_sdk, tmp_path, monke
         # the cache is marked as state, aliased to the last output (the traced function returns it)
         (alias_in, alias_out), = call["aliases"].items()
         assert alias_in is kv and alias_out == call["n_outputs"] - 1 == len(g.outputs)
-        assert call["args"] == expected_args and call["inline"] is False
+        assert call["args"] == expected_args(g.role) and call["inline"] is False
+        assert call["cpu_backend"] is True  # this build host has no /dev/neuron*
         assert g.file.path == f"graphs/{g.name}.pt" and (out / g.file.path).is_file()
         assert (out / "graphs" / f"{g.name}.neff").read_bytes() == b"NEFF stand-in"
-        assert g.backend["compiler_args"] == expected_args
+        assert g.backend["compiler_args"] == expected_args(g.role)
     assert any(f.path.endswith(".neff") for f in m.files)
     tc = m.toolchain
     assert tc["neuronx_cc"] == tc["torch_neuronx"] == tc["libneuronxla"] == "0.0.0-standin"
-    assert tc["neuron_target"] == "trn2" and tc["neuron_lnc"] == "2" and "-O2" in tc["neuron_compiler_args"]
+    assert tc["neuron_target"] == "trn2" and tc["neuron_lnc"] == "2"
+    shown = run_cli("eagle3-build", "inspect", str(out)).stdout
+    assert f"neuronx-cc target_prefill: {' '.join(expected_args('target_prefill')[:8])}" in shown
+    assert "neuronx-cc draft_step:" in shown and "--cc-pipeline-tiling-factor=1" in shown
 
     # the runtime loads it through the neuron loader (host check + replace_weights per rank) and
     # the stand-in graphs decode exactly like the export bundle

@@ -190,7 +190,7 @@ def test_select_unknown_pair_lists_names(tmp_path):
 
 
 def test_seed_recipes_load_with_exact_values():
-    compiler_args = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none", "-O1"]
+    compiler_args = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer"]
 
     [llama] = load_recipe(RECIPES / "llama31-8b-eagle3.yaml").pairs
     assert (llama.target.kind, llama.target.repo_id) == ("hf", "meta-llama/Llama-3.1-8B-Instruct")

@@ -1,7 +1,8 @@
 """Backends turn an exported graph (torch.export.ExportedProgram) into a graph file. Each exposes
-NAME, SUFFIX, JOB_MEMORY_GB (per parallel compile job), version(), key_fields() (what enters the
+NAME, SUFFIX, JOB_MEMORY_GB (per parallel compile job), version(), key_fields(role) (what enters the
 compile-cache key besides the graph), toolchain() (extra manifest entries),
-output_specs(module, example_args) and compile_exported(ep, out_path, key) -> info dict.
+output_specs(module, example_args) and compile_exported(ep, out_path, key, role) -> info dict (the role
+selects per-role options, e.g. neuronx-cc flags).
 
 `preflight` runs before anything heavy (no torch import), so a missing SDK fails in well under a second.
 """
@@ -14,7 +15,7 @@ from ..errors import UserError
 
 BACKENDS = ("export", "aoti", "neuron")
 # the backend_options each backend understands (checked by the recipe, with its line, and by get_backend)
-BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs"), "neuron": ("compiler_args", "fold_env_flags")}
+BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs"), "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags")}
 NEURON_SDK = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "libneuronxla": "libneuronxla"}
 NEURON_INSTALL_HINT = (
     "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host "

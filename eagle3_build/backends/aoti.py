@@ -58,7 +58,7 @@ class AotiBackend:
             return f"cuda:sm_{major}{minor}"
         return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
 
-    def key_fields(self) -> dict:
+    def key_fields(self, role: str) -> dict:
         return {"name": NAME, "version": self.version(), "target": self.target(),
                 "inductor_configs": self.inductor_configs}
 
@@ -79,7 +79,7 @@ class AotiBackend:
             return
         self.vec_isa_ok = True if isa["verified"] == isa["cpuinfo"] and isa["cpuinfo"] else None
 
-    def compile_exported(self, ep, out: Path, key: str) -> dict:
+    def compile_exported(self, ep, out: Path, key: str, role: str) -> dict:
         if ep.example_inputs is None:  # after a save/load round trip: uninitialised stand-ins (no memory touched)
             ep.example_inputs = example_inputs(ep, self.device)
         work = Path(tempfile.gettempdir()) / "eagle3-inductor" / key[:32]

@@ -19,7 +19,7 @@ def version() -> str:
     return torch.__version__
 
 
-def key_fields() -> dict:
+def key_fields(role: str) -> dict:
     return {"name": NAME, "version": version()}
 
 
@@ -27,7 +27,7 @@ def toolchain() -> dict[str, str]:
     return {}
 
 
-def compile_exported(ep, out: Path, key: str) -> dict:
+def compile_exported(ep, out: Path, key: str, role: str) -> dict:
     ep.example_inputs = None  # would embed the (weight-sized) example inputs in the file
     torch.export.save(ep, out)
     set_serialization_id(out, key)
