@@ -7,9 +7,9 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import run_cli
+from neuron_standin import standin_sdk  # noqa: F401 (fixture)
 from eagle3_build.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,53 +127,6 @@ def test_host_checks_name_the_fix():
 
 # ------------------------------------------------------------------ contract test
 
-class StandInNeuronx:
-    """CONTRACT-TEST STAND-IN for torch_neuronx: records every trace() call and 'compiles' with
-    torch.jit.trace on CPU, writing a placeholder graph.neff into the compiler workdir."""
-
-    __version__ = "0.0.0-standin"
-
-    def __init__(self):
-        self.calls = []
-
-    def trace(self, func, example_inputs, *_, input_output_aliases={}, compiler_workdir=None, compiler_args=None,
-              partitioner_config=None, inline_weights_to_neff=True, cpu_backend=False):
-        # the documented signature (aws-neuron-sdk api-torch-neuronx-trace.rst): no other keyword is accepted
-        outs = func(*[x.clone() for x in example_inputs])
-        self.calls.append({"func": func, "inputs": example_inputs, "aliases": input_output_aliases,
-                           "workdir": compiler_workdir, "args": compiler_args, "inline": inline_weights_to_neff,
-                           "cpu_backend": cpu_backend, "n_outputs": len(outs)})
-        Path(compiler_workdir, "graph.neff").write_bytes(b"NEFF stand-in")
-        return torch.jit.trace(func, tuple(x.clone() for x in example_inputs), check_trace=False, strict=False)
-
-    @staticmethod
-    def replace_weights(model, weights):
-        sd = model.state_dict()
-        assert set(weights) <= set(sd), sorted(set(weights) - set(sd))[:3]
-        with torch.no_grad():
-            for k, v in weights.items():
-                sd[k].copy_(v)
-
-
-@pytest.fixture
-def standin_sdk(monkeypatch):
-    neuronx = StandInNeuronx()
-    mod = types.ModuleType("torch_neuronx")
-    mod.__version__, mod.trace, mod.replace_weights = neuronx.__version__, neuronx.trace, neuronx.replace_weights
-    monkeypatch.setitem(sys.modules, "torch_neuronx", mod)
-    for name in ("neuronxcc", "libneuronxla"):
-        m = types.ModuleType(name)
-        m.__version__ = "0.0.0-standin"
-        monkeypatch.setitem(sys.modules, name, m)
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda n, *a: sys.modules[n].__spec__ or object() if n in ("torch_neuronx", "neuronxcc",
-                                                                                  "libneuronxla") else real(n, *a))
-    return neuronx
-
-
 def test_contract_neuron_backend_traces_every_graph(standin_sdk, tmp_path, monkeypatch):
     from eagle3_build.bundle import build_bundle
     from eagle3_build.recipe import load_recipe
@@ -258,3 +211,27 @@ def test_pypi_placeholder_sdk_is_refused_in_one_line(tmp_path):
     assert "SDK and torch-neuronx, neuronx-cc, libneuronxla are not installed" in msg, msg
     assert "placeholder" in msg and "pip.repos.neuron.amazonaws.com" in msg
     assert "Traceback" not in r.stderr and "WRONG PACKAGE" not in r.stderr
+
+
+@pytest.mark.parametrize("check, tp, needle", [
+    ("aliases", 1, "is also an example input"),  # issue 18, failure 1: the KV cache aliased as an input
+    ("collectives", 2, "c10d_functional"),       # failure 3: functional collectives (group dropped by torch-xla)
+])
+def test_strict_standin_catches_the_current_design(monkeypatch, tmp_path, check, tp, needle):
+    """The stand-in's contract checks, one at a time, against the neuron design that issue 18 replaces
+    (the lenient contract test above passes only because they are off)."""
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+    from eagle3_build.compiler import CompileFailed
+    from eagle3_build.recipe import load_recipe
+    from eagle3_build.tiny import make_tiny_pair
+    from neuron_standin import StandInNeuronx, install
+
+    install(monkeypatch, StandInNeuronx(strict={check}))
+    pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp)).pairs[0]
+    pair = pair.model_copy(update={"backend": "neuron", "backend_options": {}})
+    with pytest.raises(CompileFailed) as e:
+        build_bundle(pair, tmp_path / "b", cache=CompileCache(tmp_path / "cache"))
+    errors = [f.error for f in e.value.failures]
+    assert errors and all(needle in err for err in errors), errors[:2]
+    assert not (tmp_path / "b").exists()
