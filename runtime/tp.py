@@ -119,14 +119,14 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
     the worker loop here until the driver stops them and get (None, ctx). `ref` may also be a
     reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (runtime/remote.py);
     `expect_digest` / `public_key` (or a `#sha256=` on the reference) pin it (runtime/trust.py)."""
-    from .remote import resolve_bundle
+    from .remote import is_remote, resolve_bundle
     from .trust import pins
 
     ref, p = pins(str(ref), expect_digest, public_key)
-    path = resolve_bundle(ref, p, trust_remote_code)
+    path = resolve_bundle(ref, p, trust_remote_code)  # a remote bundle: every file verified here
     ctx = init_tp(read_manifest(Path(path), p))
     try:
-        bundle = Bundle(path, rank=ctx.rank if ctx else 0, pins=p)
+        bundle = Bundle(path, rank=ctx.rank if ctx else 0, pins=p, verify=not is_remote(ref))
     except BaseException:
         shutdown(ctx, barrier=False)
         raise
