@@ -365,6 +365,10 @@ def compile_shard(pair: PairRecipe, index: int, count: int, report: Report | Non
     """Compile one shard of a pair's graphs into the cache; writes no bundle. Raises CompileFailed."""
     report = report or (lambda ev: None)
     backend = get_backend(pair.backend, pair.backend_options)
+    if getattr(backend, "SPMD", False):
+        raise UserError("compile --shard splits a bundle's graphs across builders; a neuron bundle compiles per model "
+                        "through NxD's ModelBuilder (which runs its buckets' neuronx-cc jobs in parallel itself): "
+                        "run `eagle3-build compile RECIPE` without --shard")
     cache = cache or CompileCache()
     cache.clean_tmp(time.time())
     report({"event": "stage", "stage": "load"})
@@ -377,14 +381,13 @@ def compile_shard(pair: PairRecipe, index: int, count: int, report: Report | Non
 def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs: int | None,
                   report: Report, require_cached: bool = False) -> Manifest:
     t0 = time.perf_counter()
-    pair, t, d = lp.pair, lp.target, lp.draft
-    K = pair.speculation.num_speculative_tokens
-    B, L = pair.serving.max_num_seqs, pair.serving.max_model_len
     bm = build_models(lp)
 
     # --- graphs first (the long, fallible part): traced, keyed, compiled or fetched from the cache
-    traced, results = compile_graphs(bm, backend, cache, jobs, report, require_cached=require_cached)
     (root / "graphs").mkdir()
+    if getattr(backend, "SPMD", False):
+        return _write_spmd_bundle(bm, root, backend, cache, report, require_cached, t0)
+    traced, results = compile_graphs(bm, backend, cache, jobs, report, require_cached=require_cached)
     graph_entries, extra_files = [], []
     for tg, res in zip(traced, results):
         info = dict(res.entry.meta["info"])
@@ -415,12 +418,18 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
             plan = tensor_plan(name, n)
             tensors[n] = TensorSpec(name=n, shape=shapes[n][0], dtype=dtype_name(shapes[n][1]),
                                     pad=plan.pad, shard=plan.shard)
-        model_entries[name] = ModelEntry(
-            name=name, architecture=t.args.ARCH if name == "target" else f"eagle3-{d.format}",
-            config=_jsonable(dataclasses.asdict(ckpt.args)), layout=layout.to_dict(),
-            weight_files=[file_entry(root, f) for f in files], tensors=tensors)
+        model_entries[name] = _model_entry(bm, name, root, files, tensors)
 
-    # --- tokenizer and configs
+    counts = {st: sum(r.status == st for r in results) for st in ("compiled", "cached")}
+    timings = {r.job.name: {"status": r.status, "seconds": round(r.seconds, 2)} for r in results}
+    return _finish_bundle(bm, root, backend, report, model_entries, graph_entries, extra_files,
+                          {**counts, "seconds": round(time.perf_counter() - t0, 2), "graphs": timings})
+
+
+def _finish_bundle(bm: BuildModels, root: Path, backend, report: Report, model_entries: dict, graph_entries: list,
+                   extra_files: list[Path], build: dict) -> Manifest:
+    """Tokenizer, configs and the manifest (with its digest): the part every backend shares."""
+    pair, t, d = bm.lp.pair, bm.lp.target, bm.lp.draft
     report({"event": "stage", "stage": "tokenizer"})
     files = _write_tokenizer(t, root / "tokenizer") + extra_files
     (root / "configs").mkdir()
@@ -428,24 +437,131 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
         p = root / "configs" / f"{name}_config.json"
         p.write_text(json.dumps(ckpt.config, indent=2, sort_keys=True, default=str))
         files.append(p)
-
-    counts = {s: sum(r.status == s for r in results) for s in ("compiled", "cached")}
     manifest = Manifest(
         schema_version=SCHEMA_VERSION, name=pair.name,
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        backend=pair.backend, dtype=pair.dtype, tp_degree=pair.parallel.tp_degree, num_speculative_tokens=K,
-        max_num_seqs=B, max_model_len=L, prefill_buckets=list(pair.buckets.prefill),
-        batch_buckets=list(pair.buckets.batch), aux_layer_ids=list(d.args.aux_layer_ids),
-        vocab_size=t.args.vocab_size, eos_token_ids=t.eos_token_ids, bos_token_id=t.bos_token_id,
-        draft_format=d.format, recipe=pair.model_dump(mode="json"),
+        backend=pair.backend, dtype=pair.dtype, tp_degree=pair.parallel.tp_degree,
+        num_speculative_tokens=pair.speculation.num_speculative_tokens,
+        max_num_seqs=pair.serving.max_num_seqs, max_model_len=pair.serving.max_model_len,
+        prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch),
+        aux_layer_ids=list(d.args.aux_layer_ids), vocab_size=t.args.vocab_size, eos_token_ids=t.eos_token_ids,
+        bos_token_id=t.bos_token_id, draft_format=d.format, recipe=pair.model_dump(mode="json"),
         sources={"target": t.source.record(), "draft": d.source.record()},
         toolchain=toolchain(backend), models=model_entries, state=[bm.state["target"], bm.state["draft"]],
         graphs=graph_entries, files=[file_entry(root, f) for f in sorted(files)], notes=d.notes,
-        build={**counts, "seconds": round(time.perf_counter() - t0, 2), "host": platform.node(),
-               "graphs": {r.job.name: {"status": r.status, "seconds": round(r.seconds, 2)} for r in results}})
+        build={**build, "host": platform.node()})
     manifest.digest = manifest.compute_digest()
     (root / MANIFEST).write_text(manifest.model_dump_json(indent=2))
     return manifest
+
+
+def _model_entry(bm: BuildModels, name: str, root: Path, files: list[Path], tensors: dict[str, TensorSpec]) -> ModelEntry:
+    model, ckpt, layout = bm.models[name]
+    d = bm.lp.draft
+    return ModelEntry(name=name, architecture=bm.lp.target.args.ARCH if name == "target" else f"eagle3-{d.format}",
+                      config=_jsonable(dataclasses.asdict(ckpt.args)), layout=layout.to_dict(),
+                      weight_files=[file_entry(root, f) for f in files], tensors=tensors)
+
+
+def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache, report: Report,
+                       require_cached: bool, t0: float) -> Manifest:
+    """Neuron: one NxD model per model (every role, bucket and rank; backends/neuron.py) and NxD's
+    per-rank checkpoints, keyed by the traced parameter names plus the rank weight."""
+    from .backends.neuron import ModelGraphs, RANK_WEIGHT, rank_weights, shard_file, weight_dtype, weight_key
+
+    pair = bm.lp.pair
+    dtype, K, tp = DTYPES[pair.dtype], pair.speculation.num_speculative_tokens, pair.parallel.tp_degree
+    t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
+    specs = graph_plan(pair)
+    report({"event": "stage", "stage": "graphs", "total": len(specs), "jobs": 1})
+    graph_entries, extra_files, model_entries, timings = [], [], {}, {}
+    status = {}
+    for name, (model, ckpt, layout) in bm.models.items():
+        local = dict(model.named_parameters()) | dict(model.named_buffers())
+        names = model_weight_names(model)
+        shapes = {n: (list(local[n].shape), weight_dtype(dtype if local[n].dtype.is_floating_point else local[n].dtype))
+                  for n in names}
+        graphs, entries_in = [], {}
+        for spec in (sp for sp in specs if sp.model == name):
+            ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
+                              dtype=dtype, index_dtype=backend.INDEX_DTYPE)
+            graphs.append((spec, ins[1:]))
+            entries_in[spec.name] = [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, sh, x in ins]
+        state = bm.state[name]
+        mg = ModelGraphs(name, model, shapes, (state.shape, DTYPES[state.dtype]), graphs,
+                         n_out=max(len(OUTPUT_NAMES[sp.role]) for sp, _ in graphs))
+        key = trace_key({"spmd_model": name, "dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
+                         "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
+                         "args": _jsonable(dataclasses.asdict(ckpt.args)), "layout": layout.to_dict(),
+                         "graphs": [[sp.role, sp.bucket, [[n, sh, str(x)] for n, sh, x in ins]] for sp, ins in graphs],
+                         "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
+                         "backend": {k: backend.key_fields(k) for k in mg.keys()}})
+        entry, t_model = cache.get(key), time.perf_counter()
+        status[name] = "cached" if entry is not None else "compiled"
+        for sp, _ in graphs:
+            report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": key,
+                    "status": "cached" if entry else "compiling", "estimate": 0.0})
+        if entry is None:
+            if require_cached:
+                raise CompileFailed([GraphResult(GraphJob(name, name, 0, 0, key, None), "failed",
+                                                 error="not in the compile cache (--require-cached)")])
+            staged = cache.staging_dir()
+            try:
+                info = backend.compile_model(mg, tp, staged)
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            entry = cache.put(key, staged, {"backend": backend.NAME, "graph": name, "role": name, "bucket": 0,
+                                            "tokens": 0, "compile_seconds": round(time.perf_counter() - t_model, 3),
+                                            "info": info})
+        info = entry.meta["info"]
+        for fname in entry.files:
+            shutil.copyfile(entry.path / fname, root / "graphs" / fname)
+            if fname.endswith(".neff"):
+                extra_files.append(root / "graphs" / fname)
+        model_file = file_entry(root, root / "graphs" / f"{name}{backend.SUFFIX}")
+        qualified = [f"{name}/{weight_key(n)}" for n in names] + [f"{name}/{RANK_WEIGHT}"]
+        for sp, _ in graphs:
+            gi = dict(info[sp.name])
+            if "neff" in gi:
+                gi["neff"] = f"graphs/{gi['neff']}"
+            graph_entries.append(GraphEntry(
+                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, file=model_file, weights=qualified,
+                state=state.name, inputs=entries_in[sp.name], outputs=_output_specs(sp, entries_in[sp.name], bm),
+                backend=gi, key=key))
+            timings[sp.name] = {"status": status[name], "seconds": round(time.perf_counter() - t_model, 2)}
+            report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": key,
+                    "status": status[name], "estimate": 0.0})
+
+        report({"event": "stage", "stage": f"weights ({name})"})
+        sources = {n: bm.lp.target.tensors for n, q in bm.bindings[name].items() if q != f"{name}/{n}"}
+        files = write_rank_files(name, ckpt.tensors, names, shapes, layout, root / "weights" / name,
+                                 file_name=shard_file, key=weight_key, sources=sources, extra=rank_weights)
+        tensors = {weight_key(n): TensorSpec(name=weight_key(n), shape=shapes[n][0], dtype=dtype_name(shapes[n][1]),
+                                             pad=tensor_plan(name, n).pad, shard=tensor_plan(name, n).shard)
+                   for n in names}
+        tensors[RANK_WEIGHT] = TensorSpec(name=RANK_WEIGHT, shape=[1], dtype="int32", shard="rank")
+        model_entries[name] = _model_entry(bm, name, root, files, tensors)
+    counts = {st: sum(v == st for v in status.values()) for st in ("compiled", "cached")}
+    return _finish_bundle(bm, root, backend, report, model_entries, graph_entries, extra_files,
+                          {**counts, "unit": "model", "seconds": round(time.perf_counter() - t0, 2), "graphs": timings})
+
+
+def _output_specs(spec: GraphSpec, inputs: list[TensorSpec], bm: BuildModels) -> list[TensorSpec]:
+    """A graph's outputs as the runtime returns them (the portable graph's, integer outputs int64)."""
+    from .backends.export import output_specs
+
+    pair = bm.lp.pair
+    model = bm.models[spec.model][0]
+    module, pnames = build_graph_module(spec, model)
+    weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1])
+                    for q in (bm.bindings[spec.model][n] for n in pnames))
+    kv = torch.zeros(bm.state[spec.model].shape, dtype=DTYPES[pair.dtype])
+    example = tuple(torch.zeros(i.shape, dtype=torch.int64 if not getattr(torch, i.dtype).is_floating_point
+                                else getattr(torch, i.dtype)) for i in inputs)
+    with tracing_process_group(pair.parallel.tp_degree):
+        outs = output_specs(module, (weights, kv, *example))
+    return [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, (sh, x) in zip(OUTPUT_NAMES[spec.role], outs)]
 
 
 @contextlib.contextmanager

@@ -376,6 +376,13 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         size = sum(f.size for f in model.weight_files)
         out_console.print(f"weights {name}: {len(model.tensors)} tensors, {size / 1e6:.1f} MB, "
                           f"{len(model.weight_files)} rank file(s)")
+        if m.backend == "neuron":  # one NxD model per model; NxD's per-rank checkpoints
+            keys = sorted({g.role for g in m.graphs if g.model == name})
+            model_file = next(g.file for g in m.graphs if g.model == name)
+            out_console.print(f"  nxd model {model_file.path} ({model_file.size / 1e6:.1f} MB): keys "
+                              f"{', '.join(keys)}, kv_move", highlight=False)
+            for f in model.weight_files:
+                out_console.print(f"  {f.path}  {f.size / 1e6:.2f} MB", highlight=False)
 
 
 ExpectDigest = typer.Option(None, "--expect-digest", metavar="sha256:HEX",

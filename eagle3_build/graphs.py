@@ -6,7 +6,10 @@ One graph per (role, bucket). Every graph is called as
 
 weights in the order the manifest lists them (bound from weights/<model>/rank<r>.safetensors),
 `kv` the model's static KV cache (mutated in place), the rank as a tensor (so one graph serves every
-rank), then the step inputs below. H is the padded hidden size.
+rank), then the step inputs below. H is the padded hidden size. The role modules themselves take
+(cache: KVCache, rank, *inputs), so the Neuron backend drives them with its device state and
+per-rank weight instead (backends/neuron.py). Token, position and index inputs are int64, or int32
+where the backend asks for it (`index_dtype`).
 
   role            bucket  inputs                                             outputs
   target_prefill  S       tokens[1,S] slot[1] last[1]                        logits[1,V] aux[1,S,3H]
@@ -55,11 +58,15 @@ def plan_graphs(prefill_buckets: list[int], batch_buckets: list[int]) -> list[Gr
 # ---------------------------------------------------------------- role modules
 
 def _last(h: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    return h[torch.arange(h.shape[0], device=h.device), last]
+    return h[torch.arange(h.shape[0], device=h.device, dtype=last.dtype), last]
 
 
-def _rows(b: int, T: int, device=None) -> torch.Tensor:
-    return torch.arange(b, device=device)[:, None].expand(b, T)
+def _rows(b: int, T: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(b, device=like.device, dtype=like.dtype)[:, None].expand(b, T)
+
+
+def _steps(T: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(T, device=like.device, dtype=like.dtype)
 
 
 class TargetPrefill(nn.Module):
@@ -67,10 +74,10 @@ class TargetPrefill(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, rank, tokens, slot, last):
+    def forward(self, cache, rank, tokens, slot, last):
         S = tokens.shape[1]
-        positions = torch.arange(S, device=tokens.device)[None]
-        h, aux = self.m(tokens, positions, kv, slot[:, None].expand(1, S), prefill=True, rank=rank)
+        positions = _steps(S, slot)[None]
+        h, aux = self.m(tokens, positions, cache, slot[:, None].expand(1, S), prefill=True, rank=rank)
         return self.m.logits(_last(h, last)), aux
 
 
@@ -79,10 +86,10 @@ class TargetVerify(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, rank, tokens, start):
+    def forward(self, cache, rank, tokens, start):
         b, T = tokens.shape
-        positions = start[:, None] + torch.arange(T, device=tokens.device)
-        h, aux = self.m(tokens, positions, kv, _rows(b, T, tokens.device), prefill=False, rank=rank)
+        positions = start[:, None] + _steps(T, start)
+        h, aux = self.m(tokens, positions, cache, _rows(b, T, start), prefill=False, rank=rank)
         return self.m.logits(h), aux
 
 
@@ -91,9 +98,9 @@ class TargetDecode(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, rank, tokens, pos):
+    def forward(self, cache, rank, tokens, pos):
         b = tokens.shape[0]
-        h, _ = self.m(tokens[:, None], pos[:, None], kv, _rows(b, 1, tokens.device), prefill=False, rank=rank)
+        h, _ = self.m(tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False, rank=rank)
         return (self.m.logits(h[:, 0]),)
 
 
@@ -102,10 +109,10 @@ class DraftPrefill(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, rank, aux, next_tokens, slot, last):
+    def forward(self, cache, rank, aux, next_tokens, slot, last):
         S = next_tokens.shape[1]
-        positions = torch.arange(S, device=aux.device)[None]
-        out = self.m(self.m.combine(aux), next_tokens, positions, kv, slot[:, None].expand(1, S), prefill=True,
+        positions = _steps(S, slot)[None]
+        out = self.m(self.m.combine(aux), next_tokens, positions, cache, slot[:, None].expand(1, S), prefill=True,
                      rank=rank)
         out = _last(out, last)
         return self.m.propose(out), self.m.recurrent_hidden(out)
@@ -116,10 +123,10 @@ class DraftCatchup(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, rank, aux, next_tokens, start, last):
+    def forward(self, cache, rank, aux, next_tokens, start, last):
         b, T = next_tokens.shape
-        positions = start[:, None] + torch.arange(T, device=aux.device)
-        out = self.m(self.m.combine(aux), next_tokens, positions, kv, _rows(b, T, aux.device), prefill=False,
+        positions = start[:, None] + _steps(T, start)
+        out = self.m(self.m.combine(aux), next_tokens, positions, cache, _rows(b, T, start), prefill=False,
                      rank=rank)
         out = _last(out, last)
         return self.m.propose(out), self.m.recurrent_hidden(out)
@@ -130,9 +137,9 @@ class DraftStep(nn.Module):
         super().__init__()
         self.m = m
 
-    def forward(self, kv, rank, hidden, tokens, pos):
+    def forward(self, cache, rank, hidden, tokens, pos):
         b = tokens.shape[0]
-        out = self.m(hidden[:, None], tokens[:, None], pos[:, None], kv, _rows(b, 1, hidden.device), prefill=False,
+        out = self.m(hidden[:, None], tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False,
                      rank=rank)[:, 0]
         return self.m.propose(out), self.m.recurrent_hidden(out)
 
@@ -141,12 +148,13 @@ ROLE_MODULES = {"target_prefill": TargetPrefill, "target_verify": TargetVerify, 
                 "draft_prefill": DraftPrefill, "draft_catchup": DraftCatchup, "draft_step": DraftStep}
 
 
-def step_inputs(spec: GraphSpec, *, K: int, target_hidden: int, draft_hidden: int, dtype: torch.dtype
-                ) -> list[tuple[str, list[int], torch.dtype]]:
-    """(name, shape, dtype) of a graph's step inputs, in call order (after weights and kv)."""
-    i64, T, n = torch.int64, K + 1, spec.bucket
+def step_inputs(spec: GraphSpec, *, K: int, target_hidden: int, draft_hidden: int, dtype: torch.dtype,
+                index_dtype: torch.dtype = torch.int64) -> list[tuple[str, list[int], torch.dtype]]:
+    """(name, shape, dtype) of a graph's step inputs, in call order (after weights and kv); the rank
+    first (int64 always: a portable graph's input, Neuron's per-rank weight)."""
+    i64, T, n = index_dtype, K + 1, spec.bucket
     aux3 = 3 * target_hidden
-    return [("rank", [1], i64)] + {
+    return [("rank", [1], torch.int64)] + {
         "target_prefill": [("tokens", [1, n], i64), ("slot", [1], i64), ("last", [1], i64)],
         "target_verify": [("tokens", [n, T], i64), ("start", [n], i64)],
         "target_decode": [("tokens", [n], i64), ("pos", [n], i64)],

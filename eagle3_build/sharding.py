@@ -24,7 +24,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 import torch
 
@@ -335,30 +335,43 @@ class StreamingSafetensorsWriter:
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t
+    """Floats to the build dtype, integers (d2t) to the integer dtype asked for (int32 on Neuron)."""
+    return t.to(dtype) if t.is_floating_point() == dtype.is_floating_point else t
 
 
 def write_rank_files(model: str, tensors: "TensorSource", names: list[str], shapes: dict[str, tuple[list[int], torch.dtype]],
-                     layout: Layout, out_dir: Path) -> list[Path]:
+                     layout: Layout, out_dir: Path, *, file_name: Callable[[int], str] = lambda r: f"rank{r}.safetensors",
+                     key: Callable[[str], str] = lambda n: n, sources: dict[str, "TensorSource"] | None = None,
+                     extra: Callable[[int], dict[str, torch.Tensor]] | None = None) -> list[Path]:
     """Stream `names` from `tensors` through their plans into one file per rank.
 
     `shapes` gives each tensor's per-rank shape and dtype (from the rank-local model). Peak memory is
     one source tensor plus its padded copy, independent of the model size; stacked expert tensors
-    (GPT-OSS) are read, dequantized and written one expert at a time."""
+    (GPT-OSS) are read, dequantized and written one expert at a time. The Neuron backend names the
+    files and keys as NxD's `nxd_model.initialize` reads them (`file_name`, `key`), takes a tensor
+    from another checkpoint (`sources`: the draft's copy of the target embedding) and appends small
+    per-rank tensors (`extra`: the rank weight)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = [(n, shapes[n][0], shapes[n][1]) for n in names]
-    paths = [out_dir / f"rank{r}.safetensors" for r in range(layout.tp)]
-    writers = [StreamingSafetensorsWriter(p, specs) for p in paths]
+    sources = sources or {}
+    tails = [extra(r) if extra else {} for r in range(layout.tp)]
+    specs = [(key(n), shapes[n][0], shapes[n][1]) for n in names]
+    paths = [out_dir / file_name(r) for r in range(layout.tp)]
+    writers = [StreamingSafetensorsWriter(p, specs + [(k, list(t.shape), t.dtype) for k, t in tail.items()])
+               for p, tail in zip(paths, tails)]
     try:
         for n in names:
             plan = tensor_plan(model, n)
             dtype = shapes[n][1]
+            src_of = sources.get(n, tensors)
             parts = range(shapes[n][0][0]) if plan.per_expert else [None]
             for e in parts:
-                src = cast(tensors.get(n) if e is None else tensors.get_rows(n, e, e + 1), dtype)
+                src = cast(src_of.get(n) if e is None else src_of.get_rows(n, e, e + 1), dtype)
                 for r, w in enumerate(writers):
-                    w.write(n, plan.apply(src, r, layout))
+                    w.write(key(n), plan.apply(src, r, layout))
                 del src
+        for w, tail in zip(writers, tails):
+            for k, t in tail.items():
+                w.write(k, t)
     finally:
         for w in writers:
             w.f.close()

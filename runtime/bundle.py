@@ -80,7 +80,7 @@ def read_manifest(root: Path, pins: Pins = Pins()) -> Manifest:
                           f"bundle digest {m.digest[:12]}…); rebuild or re-download the bundle")
     check_pins(root, m.digest, pins)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if m.state_bytes() > memory:
+    if m.backend != "neuron" and m.state_bytes() > memory:  # (Neuron: the caches live on the device)
         raise BundleError(f"{path}: the KV caches need {m.state_bytes() / 2**30:.1f} GiB, more than this host's "
                           f"{memory / 2**30:.1f} GiB; rebuild with a smaller max_model_len / max_num_seqs")
     return m
@@ -188,14 +188,9 @@ def load_graph_aoti(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, 
     return run
 
 
-def load_graph_neuron(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
-    from .neuron import load_graph
-
-    return load_graph(path, entry, weights)
-
-
 LOADERS: dict[str, Callable[[Path, GraphEntry, tuple], GraphFn]] = {
-    "export": load_graph_export, "aoti": load_graph_aoti, "neuron": load_graph_neuron}
+    "export": load_graph_export, "aoti": load_graph_aoti}  # (neuron: one NxD model per model, Bundle._load_neuron)
+SERVABLE = (*LOADERS, "neuron")
 
 
 @dataclass
@@ -216,6 +211,8 @@ class Graph:
             if list(x.shape) != spec.shape:
                 raise ValueError(f"{self.entry.name}: input {spec.name} has shape {list(x.shape)}, "
                                  f"the graph was built for {spec.shape}")
+        inputs = tuple(x if x.dtype == DTYPES[s.dtype] else x.to(DTYPES[s.dtype])  # (int32 indices on Neuron)
+                       for s, x in zip(self.entry.inputs, inputs))
         out = self.fn(self.weights, self.kv, *inputs)
         return out if isinstance(out, tuple) else tuple(out)
 
@@ -233,11 +230,12 @@ class Bundle:
         self.manifest = m = read_manifest(self.root, pins)
         if not 0 <= rank < m.tp_degree:
             raise BundleError(f"{self.root}: rank {rank} outside this bundle's tp_degree {m.tp_degree}")
+        spmd = m.backend == "neuron"  # one process holds every rank
         if verify:
-            verify_files(self.root, m, rank)
-        if m.backend not in LOADERS:
+            verify_files(self.root, m, None if spmd else rank)
+        if m.backend not in SERVABLE:
             raise BundleError(f"{self.root}: backend {m.backend!r} cannot be served by this runtime "
-                              f"(available: {', '.join(LOADERS)})")
+                              f"(available: {', '.join(SERVABLE)})")
         if m.backend == "aoti":
             check_aoti_host(m)
         if m.backend == "neuron":
@@ -248,6 +246,9 @@ class Bundle:
             except NeuronHostError as e:
                 raise BundleError(f"{self.root}: {e}") from e
         self.rank = rank
+        if spmd:
+            self._load_neuron(m)
+            return
         self.weights: dict[str, torch.Tensor] = {}
         for name, model in m.models.items():
             path = bundle_file(self.root, model.weight_files[rank].path)
@@ -269,8 +270,23 @@ class Bundle:
             self.graphs[(g.role, g.bucket)] = Graph(g, loader(bundle_file(self.root, g.file.path), g, weights), weights,
                                                     self.state[g.state], torch.tensor([rank], dtype=torch.int64))
 
+    def _load_neuron(self, m: Manifest) -> None:
+        """Every rank in this process: one NxD model per model, KV caches on the device (runtime/neuron.py)."""
+        from .neuron import NxDModel, graph_fn
+
+        self.weights = {}
+        self.state = {s.name: torch.zeros(0, dtype=DTYPES[s.dtype]) for s in m.state}  # (on the device)
+        self.nxd = {name: NxDModel(self.root, m, name, lambda f: bundle_file(self.root, f.path)) for name in m.models}
+        self.graphs = {(g.role, g.bucket): Graph(g, graph_fn(self.nxd[g.model], len(g.outputs)), (),
+                                                 self.state[g.state], torch.zeros(1, dtype=torch.int64))
+                       for g in m.graphs}
+
     def copy_kv_row(self, src: int, dst: int) -> None:
         """Move a sequence's KV-cache row (dim 2 of every cache) from row `src` to row `dst`."""
+        if getattr(self, "nxd", None):
+            for model in self.nxd.values():
+                model.move_row(src, dst)
+            return
         for kv in self.state.values():
             kv[:, :, dst].copy_(kv[:, :, src])
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .buckets import pick_bucket
-from .bundle import Bundle
+from .bundle import DTYPES, Bundle
 from .metrics import Metrics
 from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
 
@@ -174,7 +174,8 @@ class Engine:
         self.speculative = speculative
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
-        self.hidden = m.graph("draft_step", self.batch_buckets[0]).input("hidden").shape[-1]
+        hidden = m.graph("draft_step", self.batch_buckets[0]).input("hidden")
+        self.hidden, self.hidden_dtype = hidden.shape[-1], DTYPES[hidden.dtype]
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Sequence] = []
         self.target_passes = 0
@@ -337,7 +338,7 @@ class Engine:
         rows = self.active
         # 1. draft K tokens per row (rows without a draft state get dummies and are ignored)
         drafts = torch.zeros(bsz, K, dtype=torch.int64)
-        hidden = torch.zeros(bsz, self.hidden, dtype=self.bundle.state["draft_kv"].dtype)
+        hidden = torch.zeros(bsz, self.hidden, dtype=self.hidden_dtype)
         start = torch.zeros(bsz, dtype=torch.int64)
         for s, ok in zip(rows, spec):
             start[s.row] = s.pos

@@ -189,10 +189,11 @@ class Manifest(_Strict):
         raise KeyError(f"bundle has no {role} graph for bucket {bucket}")
 
     def all_files(self) -> list[FileEntry]:
+        """Every file once (a neuron bundle's graphs of one model share that model's file)."""
         out = [g.file for g in self.graphs] + list(self.files)
         for m in self.models.values():
             out += m.weight_files
-        return out
+        return list({f.path: f for f in out}.values())
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -1,26 +1,55 @@
-"""Loading NEFF bundles (backend `neuron`): check the host against the manifest, then load.
+"""Serving NEFF bundles (backend `neuron`): one process drives every rank.
 
-Before any graph is loaded: the Neuron SDK must be importable and its versions must equal the ones
-the bundle was compiled with; the logical-core setting (lnc) must match; the instance must have at
-least tp_degree logical NeuronCores. Each failure names the fix. Verified here with stand-in
-modules; loading and running a real NEFF happens only on a Neuron host.
+A neuron bundle holds one NxD model per model (graphs/target.pt, graphs/draft.pt: every graph role
+and bucket, compiled SPMD) and NxD's per-rank checkpoints (weights/<model>/tp<r>_sharded_checkpoint.
+safetensors). Loading is NxDI's: `torch.jit.load`, then `nxd_model.initialize(per-rank weight dicts,
+start_rank int32)`; the KV caches are device state (zeroed by initialize, shared by every key) and
+never cross to the host; a call `model(*inputs)` runs on every rank and returns rank 0's outputs
+(docs/neuron-sdk-facts.md §2). The row move of continuous batching is the model's `kv_move` key.
+Cores come from NEURON_RT_VISIBLE_CORES (the Neuron runtime reserves every visible core for one
+process, so torchrun with a process per rank cannot work and is refused).
+
+Before anything is loaded: the Neuron SDK must be importable and its versions must equal the ones the
+bundle was compiled with; the logical-core setting (lnc) must match; the instance must have at least
+tp_degree logical NeuronCores. Each failure names the fix.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib
+import io
 import os
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .manifest import GraphEntry, Manifest
+from .manifest import BundleError, Manifest
 
-SDK = {"torch_neuronx": "torch_neuronx", "neuronxcc": "neuronx_cc", "libneuronxla": "libneuronxla"}
-PIP_NAMES = {"torch_neuronx": "torch-neuronx", "neuronx_cc": "neuronx-cc", "libneuronxla": "libneuronxla"}
+SDK = {"torch_neuronx": "torch_neuronx", "neuronxcc": "neuronx_cc", "libneuronxla": "libneuronxla",
+       "neuronx_distributed": "neuronx_distributed"}
+PIP_NAMES = {"torch_neuronx": "torch-neuronx", "neuronx_cc": "neuronx-cc", "libneuronxla": "libneuronxla",
+             "neuronx_distributed": "neuronx-distributed"}
 PHYSICAL_CORES_PER_DEVICE = {"trn2": 8, "trn1": 2, "inf2": 2}
 DEFAULT_LNC = {"trn2": 2, "trn1": 1, "inf2": 1}
+
+# The call contract of an NxD model, shared with the builder (eagle3_build/backends/neuron.py)
+NXD_FORMAT = "nxd-model"
+KV_MOVE = "kv_move"  # the key that moves one KV-cache row: inputs (src_dst int32 [2], placeholders...)
+PLACEHOLDER_DTYPE = torch.int32  # zero-size inputs pad every call to the model's arity (NxDI: torch.empty(0))
+
+
+def routing_signature(inputs) -> str:
+    """What NxD routes a call by: the list of input shapes (spmd.py NxDModel.router)."""
+    return str([list(x.shape) for x in inputs])
+
+
+def padded(inputs, arity: int) -> tuple[torch.Tensor, ...]:
+    return (*inputs, *[torch.zeros(0, dtype=PLACEHOLDER_DTYPE)] * (arity - len(inputs)))
+
+
+def kv_move_inputs(src: int, dst: int, arity: int) -> tuple[torch.Tensor, ...]:
+    return padded([torch.tensor([src, dst], dtype=torch.int32)], arity)
 
 
 class NeuronHostError(Exception):
@@ -40,7 +69,18 @@ def installed_versions() -> dict[str, str]:
 def logical_cores(target: str, lnc: int, environ: dict, devices: list[str]) -> int:
     if environ.get("NEURON_RT_NUM_CORES"):
         return int(environ["NEURON_RT_NUM_CORES"])
+    if environ.get("NEURON_RT_VISIBLE_CORES"):
+        return len(visible_cores(environ["NEURON_RT_VISIBLE_CORES"]))
     return len(devices) * PHYSICAL_CORES_PER_DEVICE.get(target, 2) // max(lnc, 1)
+
+
+def visible_cores(spec: str) -> list[int]:
+    """NEURON_RT_VISIBLE_CORES: "0-3", "4,5", "0-1,6"."""
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] | None = None,
@@ -50,13 +90,15 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
     devices = sorted(glob.glob("/dev/neuron[0-9]*")) if devices is None else devices
     versions = installed_versions() if versions is None else versions
     tc = m.toolchain
-    missing = [PIP_NAMES[k] for k in SDK.values() if k not in versions]
+    needed = [k for k in SDK.values() if k in tc or k != "neuronx_distributed"]
+    missing = [PIP_NAMES[k] for k in needed if k not in versions]
     if missing:
+        pins = ", ".join(f"{PIP_NAMES[k]}=={tc.get(k)}" for k in needed)
         raise NeuronHostError(f"this bundle's graphs are NEFFs and {', '.join(missing)} "
                               f"{'is' if len(missing) == 1 else 'are'} not installed; install the Neuron SDK it was "
-                              f"built with (torch-neuronx=={tc.get('torch_neuronx')}, neuronx-cc=={tc.get('neuronx_cc')}, "
-                              f"libneuronxla=={tc.get('libneuronxla')}) or rebuild the recipe with backend export")
-    for key in SDK.values():
+                              f"built with ({pins}) from the Neuron pip repository (pip.repos.neuron.amazonaws.com) "
+                              "or rebuild the recipe with backend export")
+    for key in needed:
         if tc.get(key) and versions[key] != tc[key]:
             raise NeuronHostError(f"bundle compiled with {PIP_NAMES[key]} {tc[key]}, this host has {versions[key]}; "
                                   f"rebuild it here (eagle3-build compile RECIPE --backend neuron) or install "
@@ -70,20 +112,50 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
     cores = logical_cores(target, lnc, environ, devices)
     if cores < m.tp_degree:
         raise NeuronHostError(f"bundle needs {m.tp_degree} logical NeuronCores (tp_degree {m.tp_degree}, lnc {lnc}, "
-                              f"target {target}), this instance has {cores}; use a larger instance or rebuild "
-                              "with a smaller parallel.tp_degree")
+                              f"target {target}), this instance has {cores}; use a larger instance (or widen "
+                              "NEURON_RT_VISIBLE_CORES) or rebuild with a smaller parallel.tp_degree")
 
 
-def load_graph(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> Callable:
-    """torch.jit.load the NEFF module and bind this rank's weights (traced with inline_weights_to_neff=False)."""
-    import torch_neuronx
+def torchrun_refusal(tp: int) -> str:
+    return (f"this is a neuron bundle: one process drives all {tp} NeuronCores (the Neuron runtime gives every "
+            "visible core to one process), so do not start it under torchrun; run it as one process, e.g. "
+            f"`NEURON_RT_VISIBLE_CORES=0-{tp - 1} eagle3-serve BUNDLE`")
 
-    model = torch.jit.load(str(path))
-    names = entry.backend["param_names"]
-    torch_neuronx.replace_weights(model, dict(zip(names, weights)))
 
-    def run(_weights, kv, *inputs):
-        out = model(kv, *inputs)
-        return tuple(out[:-1])  # the last output is the KV cache, aliased in place on the device
+class NxDModel:
+    """One model of a neuron bundle on the device: its graphs (routed by input shapes), its weights
+    (every rank's) and its KV cache (device state)."""
+
+    def __init__(self, root: Path, m: Manifest, name: str, file_of):
+        """`file_of(entry)` gives a FileEntry's checked path inside the bundle."""
+        import torch_neuronx  # noqa: F401  (registers the torch.classes.neuron the saved model uses [inferred])
+        from safetensors.torch import load_file
+
+        graphs = [g for g in m.graphs if g.model == name]
+        g0 = graphs[0]
+        self.arity = int(g0.backend["arity"])
+        path = file_of(g0.file)
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != g0.file.sha256:
+            raise BundleError(f"{path}: does not match its sha256 in the manifest; rebuild or re-download the bundle")
+        self.module = torch.jit.load(io.BytesIO(data))
+        weights = [load_file(file_of(f)) for f in m.models[name].weight_files]
+        self.module.nxd_model.initialize(weights, torch.tensor([0], dtype=torch.int32))
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.module(*padded(inputs, self.arity))
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.module(*kv_move_inputs(src, dst, self.arity))
+
+
+def graph_fn(model: NxDModel, n_outputs: int):
+    """A bundle graph over its NxD model: the rank input is dropped (each rank's own is a weight),
+    integer outputs come back as int64 (the engine's index dtype)."""
+
+    def run(_weights, _kv, _rank, *inputs):
+        out = model(*inputs)[:n_outputs]
+        return tuple(x.to(torch.int64) if not x.dtype.is_floating_point else x for x in out)
 
     return run

@@ -1,4 +1,5 @@
-"""Tensor parallelism at run time: one process per rank under torchrun (gloo on CPU).
+"""Tensor parallelism at run time for the portable backends: one process per rank under torchrun
+(gloo on CPU). Neuron bundles are SPMD instead: one process drives every rank (runtime/neuron.py).
 
 Rank 0 (the driver) owns tokenization, scheduling and output. Before every graph call it broadcasts
 the call (graph index, then each input tensor, shapes known from the manifest) on a dedicated control
@@ -41,6 +42,12 @@ def init_tp(manifest: Manifest) -> TPContext | None:
     """None for a TP-1 bundle run as one process; otherwise join the torchrun world (and check it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = manifest.tp_degree
+    if manifest.backend == "neuron":  # SPMD: this one process drives every rank (runtime/neuron.py)
+        if world > 1:
+            from .neuron import torchrun_refusal
+
+            raise BundleError(torchrun_refusal(tp))
+        return None
     if world == 1 and tp == 1:
         return None
     if world != tp:

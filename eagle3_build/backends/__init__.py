@@ -16,11 +16,13 @@ from ..errors import UserError
 BACKENDS = ("export", "aoti", "neuron")
 # the backend_options each backend understands (checked by the recipe, with its line, and by get_backend)
 BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs"), "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags")}
-NEURON_SDK = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "libneuronxla": "libneuronxla"}
+NEURON_SDK = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "libneuronxla": "libneuronxla",
+              "neuronx_distributed": "neuronx-distributed"}
 NEURON_INSTALL_HINT = (
     "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host "
     "(pip install --extra-index-url https://pip.repos.neuron.amazonaws.com torch-neuronx neuronx-cc "
-    "libneuronxla; PyPI only has placeholder packages by those names)")
+    "libneuronxla neuronx-distributed, or `pip install eagle3-build[neuron]` with that index; PyPI only has "
+    "placeholder packages by those names)")
 
 
 def missing_neuron_sdk() -> list[str]:

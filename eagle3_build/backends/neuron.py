@@ -1,42 +1,60 @@
-"""Backend `neuron`: every graph traced with torch_neuronx.trace into a NEFF (neuronx-cc).
+"""Backend `neuron`: SPMD NEFFs through NxD's ModelBuilder, the API NxDI builds with.
 
-Per graph (REFERENCE §6):
-  * the graph module keeps its weights as parameters and is traced with
-    `inline_weights_to_neff=False`, so one NEFF serves every rank: the runtime binds each rank's
-    weights with `torch_neuronx.replace_weights`;
-  * the KV cache is an input that the traced function also returns, marked as a state tensor
-    through `input_output_aliases={kv: last output}` (updated in place on the device);
-  * the rank is a tensor input (never a Python int frozen into the NEFF);
-  * compiler flags are chosen per graph role (NxDI's context-encoding / token-generation defaults,
-    then the recipe's `compiler_args` and `role_compiler_args`); CPU-only build hosts trace with
-    `cpu_backend=True` and `--target`; `NEURON_CC_FLAGS` in the environment is refused unless
-    `backend_options.fold_env_flags: true`, which folds it into the recorded flags.
-The artifact is the TorchScript module embedding the NEFF (`graphs/<name>.pt`, torch.jit.save) plus
-the raw `graphs/<name>.neff` from the compiler workdir.
-
-Verified here (no Neuron SDK can be installed): flag handling, the plan, the SDK/version checks,
-and — with a stand-in torch_neuronx module — that each graph is traced with the right example
-inputs, aliases and compiler arguments. The NEFF compile itself runs only on a host with the SDK.
+One `neuronx_distributed.trace.model_builder.ModelBuilder` per model (target, draft):
+  * keys = the model's graph roles plus `kv_move` (the KV-row move of continuous batching), one
+    example tuple per bucket. NxD routes a call to its key and bucket by the list of input shapes
+    alone, so every key takes the model's `arity` inputs (zero-size int32 placeholders pad the
+    shorter roles, as NxDI passes torch.empty(0)) and returns its `n_out` outputs, because NxD packs
+    every key's outputs with key #1's packer [confirmed: model_builder.py build_nxd_model; the fixed
+    arity is inferred from its torch.jit.trace'd NxDModelExecutor];
+  * every key's module (`NeuronKey`) shares ONE set of weight Parameters, ONE KV-cache state
+    Parameter and ONE int32 rank weight: NxD shards with key #1's module and shares states across
+    keys [confirmed: spmd.py, model_builder.py shard_checkpoint]. The cache is updated functionally
+    and returned as the output aliased to the state, `input_output_aliases={kv: n_out}` [confirmed:
+    BaseModelInstance, NxDI DecoderModelInstance.get]; the rank is `rank_util.rank` ([r] on rank r,
+    NxD's SPMDRank pattern) [confirmed: parallel_layers/layers.py SPMDRank];
+  * collectives go through NxD's parallel_layers.mappings (xm.all_reduce / all_gather over the TP
+    mesh) [confirmed: mappings.py, comm.py];
+  * token, position and index inputs are int32, as NxDI's input_generator makes them [confirmed];
+  * `trace(initialize_model_weights=False)` -> torch.jit.save to graphs/<model>.pt [confirmed: NxDI
+    application_base.py]; the NEFFs from the compiler workdir (<key>/_tp0_bk<i>/graph.neff) are
+    kept as graphs/<graph>.neff and hashed in the manifest.
+eagle3-build shards the weights itself, into weights/<model>/tp<r>_sharded_checkpoint.safetensors keyed
+by the traced parameter names plus `rank_util.rank` — what `nxd_model.initialize` takes [confirmed:
+NxDI load_weights]. Compiler flags are chosen per role (NxDI's context-encoding / token-generation
+defaults, then the recipe's `compiler_args` and `role_compiler_args`). ModelBuilder lowers on CPU
+(`generate_hlo(..., cpu_backend=True)`) [confirmed], so a CPU-only build host needs only `--target` in
+the flags (always there) and NEURON_PLATFORM_TARGET_OVERRIDE [inferred]. `NEURON_CC_FLAGS` is refused
+unless `backend_options.fold_env_flags: true` folds it into the recorded flags.
+Facts and their sources: docs/neuron-sdk-facts.md. Verified here through a stand-in SDK that enforces
+that contract (tests/neuron_standin.py); the NEFF compile itself runs only where the SDK is installed.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import glob
 import importlib
 import os
 import shlex
 import shutil
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from eagle3_runtime.manifest import PREFILL_ROLES, ROLE_MODEL
+from eagle3_runtime.neuron import KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, kv_move_inputs, routing_signature
 
 from ..errors import UserError
+from ..graphs import ROLE_MODULES, GraphSpec
+from ..models.llama import KVCache
 from . import NEURON_SDK, check_backend_options, preflight
 
 NAME = "neuron"
 SUFFIX = ".pt"
+INDEX_DTYPE = torch.int32  # token / position / index inputs (NxDI's input_generator)
 
 COMMON_ARGS = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none"]
 # NxDI's per-model defaults (neuronx-distributed-inference models/model_wrapper.py, docs/neuron-sdk-facts.md §6):
@@ -85,10 +103,10 @@ def compiler_args(backend_options: dict, role: str, environ: dict | None = None)
     name, any -O level the other. NEURON_CC_FLAGS is never applied silently."""
     environ = os.environ if environ is None else environ
     per_role = backend_options.get("role_compiler_args") or {}
-    unknown = sorted(set(per_role) - set(ROLE_MODEL))
+    unknown = sorted(set(per_role) - set(ROLE_MODEL) - {KV_MOVE})
     if unknown:
         raise UserError(f"backend_options.role_compiler_args: unknown role(s) {', '.join(unknown)}; the roles are "
-                        f"{', '.join(ROLE_MODEL)}")
+                        f"{', '.join([*ROLE_MODEL, KV_MOVE])}")
     env_flags = shlex.split(environ.get("NEURON_CC_FLAGS", ""))
     if env_flags and not backend_options.get("fold_env_flags", False):
         raise UserError(f"NEURON_CC_FLAGS is set ({' '.join(env_flags)!r}) and would change the compiled graphs "
@@ -125,8 +143,7 @@ def neuronx_cc_command(name: str, args: list[str]) -> str:
 # ------------------------------------------------------------------ SDK
 
 def neuron_devices() -> list[str]:
-    """This host's Neuron devices; none on a CPU-only build host, where torch_neuronx.trace needs
-    cpu_backend=True (with --target, always in the flags)."""
+    """This host's Neuron devices (none on a CPU-only build host)."""
     return sorted(glob.glob("/dev/neuron[0-9]*"))
 
 
@@ -137,15 +154,172 @@ def sdk_versions() -> dict[str, str]:
             for mod, dist in NEURON_SDK.items()}
 
 
+
+
+# ------------------------------------------------------------------ the neuron variant of the model seam
+
+WEIGHT_PREFIX = "model."  # a weight's name in the traced module and in the NxD checkpoint: model.<canonical>
+RANK_WEIGHT = "rank_util.rank"  # int32 [1], holds r on rank r (NxDI: state_dict["rank_util.rank"] = arange(tp))
+STATE_NAME = "kv"
+PRIORITY_ROLE = {"target": "target_verify", "draft": "draft_step"}  # weight-layout optimisation follows the hot graph
+
+
+def shard_file(rank: int) -> str:
+    """NxD's per-rank checkpoint name (model_builder.py shard_weights_with_cache)."""
+    return f"tp{rank}_sharded_checkpoint.safetensors"
+
+
+def weight_key(name: str) -> str:
+    return WEIGHT_PREFIX + name
+
+
+def rank_weights(rank: int) -> dict[str, torch.Tensor]:
+    return {RANK_WEIGHT: torch.tensor([rank], dtype=torch.int32)}
+
+
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Integer weights (d2t) are int32 on Neuron; float weights keep the bundle dtype."""
+    return dtype if dtype.is_floating_point else INDEX_DTYPE
+
+
+@dataclass
+class ModelGraphs:
+    """What one ModelBuilder compiles: a model's graphs (role, bucket, step inputs after the rank)."""
+
+    name: str  # target | draft
+    model: nn.Module  # rank-local, on the meta device
+    weights: dict[str, tuple[list[int], torch.dtype]]  # every tensor the graphs read: per-rank shape, dtype
+    state: tuple[list[int], torch.dtype]  # the KV cache
+    graphs: list[tuple[GraphSpec, list[tuple[str, list[int], torch.dtype]]]]
+    n_out: int  # outputs of every key (the most any role returns)
+
+    @property
+    def arity(self) -> int:
+        return max(len(inputs) for _, inputs in self.graphs)
+
+    def keys(self) -> list[str]:
+        return list(dict.fromkeys(spec.role for spec, _ in self.graphs)) + [KV_MOVE]
+
+    def examples(self, key: str) -> list[tuple[torch.Tensor, ...]]:
+        """One example tuple per bucket of `key`, padded to the model's arity."""
+        if key == KV_MOVE:
+            return [kv_move_inputs(0, 0, self.arity)]
+        out = []
+        for spec, inputs in self.graphs:
+            if spec.role == key:
+                xs = [torch.zeros(shape, dtype=dtype) for _, shape, dtype in inputs]
+                out.append(tuple(xs + [torch.zeros(0, dtype=PLACEHOLDER_DTYPE)] * (self.arity - len(xs))))
+        return out
+
+    def check_routing(self) -> None:
+        """NxD routes by input shapes only, and a second bucket with the same shapes silently replaces the
+        first: refuse that here, naming both graphs."""
+        seen: dict[str, str] = {}
+        for key in self.keys():
+            names = [s.name for s, _ in self.graphs if s.role == key] or [KV_MOVE]
+            for name, example in zip(names, self.examples(key)):
+                sig = routing_signature(example)
+                if sig in seen:
+                    raise UserError(f"backend neuron: graphs {seen[sig]} and {name} of the {self.name} take inputs of "
+                                    f"the same shapes {sig}, and NxD routes a call by input shapes alone; choose "
+                                    "buckets.prefill values other than num_speculative_tokens + 1")
+                seen[sig] = name
+
+
+class RankWeight(nn.Module):
+    """The per-rank int32 weight that tells an SPMD graph its rank (NxD's SPMDRank: every input is the
+    same on every rank, and any Python-level rank is 0 while tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
+
+
+class NxDCollectives:
+    """Comm ops for Neuron: NxD's parallel-region functions, which reduce and gather with
+    xm.all_reduce / xm.all_gather over the TP mesh replica groups."""
+
+    def __init__(self):
+        from neuronx_distributed.parallel_layers import mappings
+
+        self.mappings = mappings
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mappings.reduce_from_tensor_model_parallel_region(x)
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mappings.gather_from_tensor_model_parallel_region(x)
+
+
+class DeviceModel:
+    """The tensors every key of one builder shares: the weights (Parameters, zeros: the real ones are
+    bound by `nxd_model.initialize`), the KV-cache state and the rank weight."""
+
+    def __init__(self, mg: ModelGraphs):
+        model = copy.deepcopy(mg.model)
+        for name, (shape, dtype) in mg.weights.items():
+            owner, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(owner)
+            mod._buffers.pop(leaf, None)  # a persistent buffer (d2t) is a weight like any other
+            mod._parameters[leaf] = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+        model.comm.ops = NxDCollectives()
+        self.model = model
+        self.kv = nn.Parameter(torch.zeros(mg.state[0], dtype=mg.state[1]), requires_grad=False)
+        self.rank_util = RankWeight()
+
+
+class NeuronKey(nn.Module):
+    """One ModelBuilder key: `role` over the shared weights, state and rank weight; returns the role's
+    outputs, zeros[1] up to n_out, then the new KV cache (aliased to the state)."""
+
+    def __init__(self, role: str, shared: DeviceModel, n_role_inputs: int, n_out: int):
+        super().__init__()
+        self.model, self.kv, self.rank_util = shared.model, shared.kv, shared.rank_util
+        self.role, self.n_role_inputs, self.n_out = role, n_role_inputs, n_out
+        # kept out of the module tree (a plain attribute): its parameters are the model's, named model.*
+        object.__setattr__(self, "_role_module", None if role == KV_MOVE else ROLE_MODULES[role](shared.model))
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        cache = KVCache(self.kv, functional=True)
+        if self.role == KV_MOVE:  # cache row src_dst[0] -> row src_dst[1]
+            src_dst = inputs[0]
+            cache.kv = torch.ops.aten.index_put(self.kv, [None, None, src_dst[1:]], self.kv[:, :, src_dst[:1]])
+            outs: tuple = ()
+        else:
+            outs = tuple(self._role_module(cache, self.rank_util.rank, *inputs[:self.n_role_inputs]))
+        fill = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(self.n_out - len(outs)))
+        return (*outs, *fill, cache.kv)
+
+
+class TargetKey(NeuronKey):
+    def forward(self, input0, input1, input2):
+        return self.run((input0, input1, input2))
+
+
+class DraftKey(NeuronKey):
+    def forward(self, input0, input1, input2, input3):
+        return self.run((input0, input1, input2, input3))
+
+
+KEY_CLASSES = {3: TargetKey, 4: DraftKey}  # by arity (no *args: NxD's tracing takes explicit parameters)
+
+
+def _no_checkpoint():
+    raise RuntimeError("eagle3-build shards the weights itself (weights/<model>/tp<r>_sharded_checkpoint.safetensors); "
+                       "ModelBuilder's checkpoint_loader is never used")
+
+
 class NeuronBackend:
     """Bound to one recipe pair's options (flags are validated once, before any graph)."""
 
     NAME, SUFFIX = NAME, SUFFIX
+    SPMD = True  # one artifact per model (all ranks, all keys); weights as NxD checkpoints
+    INDEX_DTYPE = INDEX_DTYPE
 
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
-        self.role_args = {role: compiler_args(backend_options, role) for role in ROLE_MODEL}
+        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLE_MODEL, KV_MOVE]}
         first = next(iter(self.role_args.values()))
         self.target = flag_value(first, "--target") or "trn2"
         self.lnc = int(flag_value(first, "--lnc") or 2)
@@ -159,7 +333,8 @@ class NeuronBackend:
 
     def toolchain(self) -> dict[str, str]:
         return {"neuronx_cc": self.versions["neuronx-cc"], "torch_neuronx": self.versions["torch-neuronx"],
-                "libneuronxla": self.versions["libneuronxla"], "neuron_target": self.target,
+                "libneuronxla": self.versions["libneuronxla"],
+                "neuronx_distributed": self.versions["neuronx-distributed"], "neuron_target": self.target,
                 "neuron_lnc": str(self.lnc)}
 
     JOB_MEMORY_GB = 16.0  # neuronx-cc on an 8B-class graph; plan/--jobs use it
@@ -167,45 +342,47 @@ class NeuronBackend:
     def key_fields(self, role: str) -> dict:
         return {"name": NAME, "versions": self.versions, "compiler_args": self.role_args[role]}
 
-    def output_specs(self, module: torch.nn.Module, example_args: tuple):
-        from .export import output_specs
+    def compile_model(self, mg: ModelGraphs, tp: int, out_dir: Path) -> dict:
+        """Trace and compile every key of one model with ModelBuilder into out_dir/<model>.pt plus
+        out_dir/<graph>.neff; returns the per-graph backend info."""
+        from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
 
-        return output_specs(module, example_args)
-
-    def compile_exported(self, ep, out: Path, key: str, role: str) -> dict:
-        import torch_neuronx
-
-        from .aoti import example_inputs
-
-        (weights, kv, *inputs), _ = ep.example_inputs or example_inputs(ep)
-        traced_fn = StatefulGraph(ep.module(), weights)
-        example = (kv, *inputs)
-        n_out = len(ep.graph_signature.user_outputs)
-        workdir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-", dir=out.parent))
+        mg.check_routing()
+        shared = DeviceModel(mg)
+        key_cls = KEY_CLASSES[mg.arity]
+        workdir = out_dir / "nxd-workdir"  # new: ModelBuilder.trace() removes its workdir first
+        builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
+                               compiler_workdir=str(workdir), logical_nc_config=self.lnc)
+        n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1}
+        for key in mg.keys():
+            instance = BaseModelInstance(functools.partial(key_cls, key, shared, n_inputs[key], mg.n_out),
+                                         input_output_aliases={shared.kv: mg.n_out})
+            builder.add(key=key, model_instance=instance, example_inputs=mg.examples(key),
+                        compiler_args=shlex.join(self.role_args[key]),
+                        priority_model_idx=0 if key == PRIORITY_ROLE[mg.name] else None)
+        env = {} if neuron_devices() else {"NEURON_PLATFORM_TARGET_OVERRIDE": self.target}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            traced = torch_neuronx.trace(traced_fn, example, input_output_aliases={kv: n_out},
-                                         compiler_workdir=str(workdir), compiler_args=list(self.role_args[role]),
-                                         inline_weights_to_neff=False, cpu_backend=not neuron_devices())
-            torch.jit.save(traced, str(out))
-            neffs = sorted(workdir.rglob("*.neff"))
-            if neffs:
-                shutil.copyfile(neffs[0], out.with_suffix(".neff"))
+            traced = builder.trace(initialize_model_weights=False)
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        return {"format": "torchscript+neff", "param_names": traced_fn.param_names, "kv_output_index": n_out,
-                "compiler_args": list(self.role_args[role]), "neff": out.with_suffix(".neff").name}
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        torch.jit.save(traced, str(out_dir / f"{mg.name}{SUFFIX}"))
+        info, index = {}, {}
+        for spec, _ in mg.graphs:
+            i = index[spec.role] = index.get(spec.role, -1) + 1
+            info[spec.name] = self._keep_neff(workdir, spec.role, i, out_dir / f"{spec.name}.neff") | {
+                "format": NXD_FORMAT, "model_file": f"{mg.name}{SUFFIX}", "key": spec.role, "bucket_index": i,
+                "arity": mg.arity, "n_out": mg.n_out, "compiler_args": list(self.role_args[spec.role])}
+        info[KV_MOVE] = self._keep_neff(workdir, KV_MOVE, 0, out_dir / f"{mg.name}_{KV_MOVE}.neff")
+        shutil.rmtree(workdir, ignore_errors=True)
+        return info
 
-
-class StatefulGraph(torch.nn.Module):
-    """What torch_neuronx traces: the exported graph with its weights held as real (non-inlined)
-    parameters, taking (kv, rank, *inputs) and returning (*outputs, kv) so that the cache can be
-    aliased as device state (the runtime binds each rank's weights by `param_names`)."""
-
-    def __init__(self, graph: torch.nn.Module, weights: tuple[torch.Tensor, ...]):
-        super().__init__()
-        self.graph = graph
-        self.weights = torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=False) for w in weights])
-        self.param_names = [f"weights.{i}" for i in range(len(weights))]  # names in the traced state_dict
-
-    def forward(self, kv, *inputs):
-        return (*self.graph(tuple(self.weights), kv, *inputs), kv)
+    @staticmethod
+    def _keep_neff(workdir: Path, key: str, bucket: int, dest: Path) -> dict:
+        src = workdir / key / f"_tp0_bk{bucket}" / "graph.neff"
+        if not src.is_file():
+            return {}
+        shutil.copyfile(src, dest)
+        return {"neff": dest.name}

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..sharding import Layout
 from .linear import Linear
-from .llama import MLP, Attention, Comm, RMSNorm, Rope, VocabEmbedding, vocab_parallel_logits
+from .llama import MLP, Attention, Comm, KVCache, RMSNorm, Rope, VocabEmbedding, vocab_parallel_logits
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,10 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(Hp, a.rms_norm_eps, H)
         self.post_attention_layernorm = RMSNorm(Hp, a.rms_norm_eps, H)
 
-    def forward(self, e, x, cos, sin, kv, rows, positions, prefill):
+    def forward(self, e, x, cos, sin, cache, rows, positions, prefill):
         en, xn = self.input_layernorm(e), self.hidden_norm(x)
         res = xn if self.norm_before_residual else x
-        h = res + self.self_attn(torch.cat([en, xn], dim=-1), cos, sin, kv, 0, rows, positions, prefill)
+        h = res + self.self_attn(torch.cat([en, xn], dim=-1), cos, sin, cache, 0, rows, positions, prefill)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -100,15 +100,19 @@ class Eagle3Draft(nn.Module):
         """Greedy draft token (target vocab id) from the layer output."""
         idx = vocab_parallel_logits(self.norm(out), self.lm_head.weight, self.args.draft_vocab_size,
                                     self.comm).argmax(dim=-1)
-        return idx + self.d2t[idx] if self.args.has_d2t else idx
+        if not self.args.has_d2t:
+            return idx
+        idx = idx.to(self.d2t.dtype)  # (int64, or int32 on Neuron)
+        return idx + self.d2t[idx]
 
     def recurrent_hidden(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out) if self.args.norm_output else out
 
-    def forward(self, x, tokens, positions, kv, rows, prefill: bool, rank: torch.Tensor):
+    def forward(self, x, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor):
+        cache = KVCache.of(cache)
         e = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, x.dtype)
-        return self.midlayer(e, x, cos, sin, kv, rows, positions, prefill)
+        return self.midlayer(e, x, cos, sin, cache, rows, positions, prefill)
 
 
 def draft_layout(a: Eagle3Args, tp: int, padded_hidden: int | None = None,

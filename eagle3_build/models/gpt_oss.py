@@ -1,7 +1,7 @@
 """GPT-OSS target model (`model_type: gpt_oss`) as static-shape, functional PyTorch, next to llama.py.
 
 Same interface as `Llama`, so the role modules of graphs.py drive it unchanged:
-forward(tokens, positions, kv, rows, prefill, rank) -> (last hidden, aux), logits(h), kv_shape(B, L).
+forward(tokens, positions, cache, rows, prefill, rank) -> (last hidden, aux), logits(h), kv_shape(B, L).
 Canonical weight names are the HF names without `model.`. What differs from Llama (REFERENCE §3):
 
 * q/k/v/o biases and per-head attention sinks: p_ij = exp(s_ij) / (sum_k exp(s_ik) + exp(sink_h));
@@ -37,7 +37,6 @@ from .llama import (
     DecoderStack,
     RMSNorm,
     apply_rope,
-    cache_write,
     dtype_bytes,
     llama_layout,
     rope_params,
@@ -138,18 +137,18 @@ class Attention(nn.Module):
         self.o_proj = Linear(H * d, Hp, bias=a.attention_bias)
         self.sinks = nn.Parameter(torch.empty(H))
 
-    def forward(self, x, cos, sin, kv, layer, rows, positions, prefill):
+    def forward(self, x, cos, sin, cache, layer, rows, positions, prefill):
         b, T, _ = x.shape
         q = self.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache_write(kv, layer, rows, positions, k, v)
+        cache.write(layer, rows, positions, k, v)
         if prefill:  # the prompt's own keys (positions 0..S-1)
             keys, values, key_pos = k, v, positions[0]
         else:  # cache rows 0..b-1, every position
-            keys, values = kv[layer, 0, :b], kv[layer, 1, :b]
-            key_pos = torch.arange(kv.shape[4], device=x.device)
+            keys, values = cache.read(layer, b)
+            key_pos = torch.arange(cache.length, device=x.device)
         q_pos = positions[:, :, None]
         visible = key_pos <= q_pos
         if self.window is not None:
@@ -216,8 +215,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
         self.post_attention_layernorm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
 
-    def forward(self, h, cos, sin, kv, layer, rows, positions, prefill):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, rows, positions, prefill)
+    def forward(self, h, cos, sin, cache, layer, rows, positions, prefill):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, positions, prefill)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

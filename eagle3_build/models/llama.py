@@ -5,16 +5,18 @@ built on the meta device and only its RoPE table is real. The KV cache is one st
 
     kv: [num_layers, 2, max_num_seqs, num_kv_heads, max_model_len, head_dim]
 
-mutated in place. Row i of a batch-bucket-b graph is cache row i (`kv[:, :, :b]`, a view), so the
+read and written through `KVCache` (in place, or functionally for Neuron device state). Row i
+of a batch-bucket-b graph is cache row i (`kv[:, :, :b]`, a view), so the
 runtime keeps active sequences in rows 0..n-1; prefill writes one request into row `slot`.
 
 Aux states for EAGLE3 are the residual-stream states *entering* decoder layers `aux_layer_ids`
 (vLLM semantics; HF `hidden_states[k]`).
 
-Tensor parallelism (`Layout`): every module is built with its rank-local shapes; collectives are
-torch.distributed functional collectives inside the graph (captured by torch.export / AOTI), and the
-rank arrives as a tensor input so one graph serves every rank. With hidden padding (H_u -> H_p) the
-padded channels stay exactly zero through the network and RMSNorm averages over H_u only.
+Tensor parallelism (`Layout`): every module is built with its rank-local shapes; collectives go
+through `Comm` (torch.distributed functional collectives for torch.export / AOTI, NxD's parallel-region
+functions for Neuron), and the rank is a tensor (an input, or Neuron's per-rank weight) so one graph
+serves every rank. With hidden padding (H_u -> H_p) the padded channels stay exactly zero through the
+network and RMSNorm averages over H_u only.
 """
 from __future__ import annotations
 
@@ -115,19 +117,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-class Comm:
-    """In-graph collectives over the default process group (a fake one while tracing)."""
+class FunctionalCollectives:
+    """torch.distributed functional collectives over the default process group (a fake one while
+    tracing), captured by torch.export / AOTI."""
 
     GROUP = "0"
 
-    def __init__(self, tp: int):
-        self.tp = tp
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp == 1 else funcol.all_reduce(x, "sum", self.GROUP)
+        return funcol.all_reduce(x, "sum", self.GROUP)
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp == 1 else funcol.all_gather_single(x, x.dim() - 1, self.GROUP)
+        return funcol.all_gather_single(x, x.dim() - 1, self.GROUP)
+
+
+class Comm:
+    """The in-graph collectives of one model (one object shared by all its layers): a sum over the
+    TP ranks and a gather along the last dim. `ops` implements them (FunctionalCollectives, or the
+    Neuron backend's NxD mappings)."""
+
+    def __init__(self, tp: int, ops=None):
+        self.tp, self.ops = tp, ops or FunctionalCollectives()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp == 1 else self.ops.all_reduce(x)
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp == 1 else self.ops.gather_last(x)
 
 
 class RMSNorm(nn.Module):
@@ -173,34 +188,60 @@ def vocab_parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, com
     return logits[..., :vocab] if logits.shape[-1] != vocab else logits
 
 
-def cache_write(kv, layer: int, rows, positions, k_new, v_new) -> None:
-    """k_new/v_new [b, Hkv, T, d] into the static cache at (rows, positions) [b, T], in place.
+class KVCache:
+    """A graph's access to its model's static KV cache kv [layers, 2, rows, Hkv, S, d].
 
-    Every index is a tensor, so this is ONE index_put_ on the cache itself. `kv[layer, 0, rows, ...]`
-    with Python ints would write through a select() view; functionalized, that becomes a
-    select_scatter, which Inductor/AOTI materialise as a full copy of the whole cache per layer
-    (measured: 2.3 s vs 24 ms per SmolLM2-sized decode step). A direct index_put on the graph input
-    is re-inplaced to a scatter of just the new rows.
+    In place (`functional=False`, the portable backends): every index is a tensor, so a write is ONE
+    index_put_ on the graph input. `kv[layer, 0, rows, ...]` with Python ints would write through a
+    select() view; functionalized, that becomes a select_scatter, which Inductor/AOTI materialise as a
+    full copy of the whole cache per layer (measured: 2.3 s vs 24 ms per SmolLM2-sized decode step). A
+    direct index_put on the graph input is re-inplaced to a scatter of just the new rows.
+
+    Functional (`functional=True`, Neuron): the cache is device state, a module Parameter the graph
+    may not mutate; each write makes the new cache value (`kv` afterwards), which the graph returns as
+    the output aliased to that state (XLA lowers it to an in-place scatter on the device buffer).
     """
-    which = torch.zeros_like(rows)
-    layer_idx = which + layer
-    kv[layer_idx, which, rows, :, positions] = k_new.transpose(1, 2)
-    kv[layer_idx, which + 1, rows, :, positions] = v_new.transpose(1, 2)
+
+    def __init__(self, kv: torch.Tensor, functional: bool = False):
+        self.kv, self.functional = kv, functional
+
+    @classmethod
+    def of(cls, cache: "KVCache | torch.Tensor") -> "KVCache":
+        """A KVCache as given, or the in-place one over a plain cache tensor."""
+        return cache if isinstance(cache, KVCache) else cls(cache)
+
+    def write(self, layer: int, rows, positions, k_new, v_new) -> None:
+        """k_new/v_new [b, Hkv, T, d] at (rows, positions) [b, T] of `layer`."""
+        which = torch.zeros_like(rows)
+        layer_idx = which + layer
+        for kind, new in ((which, k_new), (which + 1, v_new)):
+            index = [layer_idx, kind, rows, None, positions]
+            if self.functional:
+                self.kv = torch.ops.aten.index_put(self.kv, index, new.transpose(1, 2))
+            else:
+                self.kv[layer_idx, kind, rows, :, positions] = new.transpose(1, 2)
+
+    def read(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [b, Hkv, S, d] of cache rows 0..b-1."""
+        return self.kv[layer, 0, :b], self.kv[layer, 1, :b]
+
+    @property
+    def length(self) -> int:
+        return self.kv.shape[4]
 
 
-def attend(q, k_new, v_new, kv, layer: int, rows, positions, prefill: bool):
+def attend(q, k_new, v_new, cache: KVCache, layer: int, rows, positions, prefill: bool):
     """Write k/v of this step into the static cache, then attend.
 
     q [b, H, T, d]; k_new/v_new [b, Hkv, T, d]; rows [b, T] cache rows; positions [b, T].
     Prefill attends over its own fresh keys (causal, prompt starts at 0); every other step attends
     over cache rows 0..b-1 with key_pos <= query_pos.
     """
-    cache_write(kv, layer, rows, positions, k_new, v_new)
+    cache.write(layer, rows, positions, k_new, v_new)
     if prefill:
         return F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, enable_gqa=True)
-    b = q.shape[0]
-    keys, values = kv[layer, 0, :b], kv[layer, 1, :b]
-    key_pos = torch.arange(kv.shape[4], device=q.device)
+    keys, values = cache.read(layer, q.shape[0])
+    key_pos = torch.arange(cache.length, device=q.device)
     mask = key_pos[None, None, None, :] <= positions[:, None, :, None]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
@@ -216,13 +257,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(in_features, n_kv * head_dim, bias=False)
         self.o_proj = Linear(n_heads * head_dim, hidden, bias=False)
 
-    def forward(self, x, cos, sin, kv, layer, rows, positions, prefill):
+    def forward(self, x, cos, sin, cache, layer, rows, positions, prefill):
         b, T, _ = x.shape
         q = self.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attend(q, k, v, kv, layer, rows, positions, prefill)
+        o = attend(q, k, v, cache, layer, rows, positions, prefill)
         return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
 
 
@@ -247,8 +288,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
         self.post_attention_layernorm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
 
-    def forward(self, h, cos, sin, kv, layer, rows, positions, prefill):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, rows, positions, prefill)
+    def forward(self, h, cos, sin, cache, layer, rows, positions, prefill):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, positions, prefill)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -277,14 +318,15 @@ class DecoderStack(nn.Module):
         w = self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
 
-    def forward(self, tokens, positions, kv, rows, prefill: bool, rank: torch.Tensor):
+    def forward(self, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor):
         """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p])."""
+        cache = KVCache.of(cache)
         h = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, h.dtype)
         entering = {}
         for i, layer in enumerate(self.layers):
             entering[i] = h
-            h = layer(h, cos, sin, kv, i, rows, positions, prefill)
+            h = layer(h, cos, sin, cache, i, rows, positions, prefill)
         return h, torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
 
 

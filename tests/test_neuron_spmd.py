@@ -1,0 +1,256 @@
+"""Neuron SPMD bundles through the stand-in SDK (tests/neuron_standin.py), which enforces NxD's contract
+and simulates SPMD: one ModelBuilder per model, one process for every rank, KV caches as device state.
+
+Issue 18's failures of the design this replaced, one test each against that design (kept in
+tests/neuron_old_design.py), then the new design through the same checks."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli
+from neuron_standin import StandInModelBuilder, StandInNeuronx, install, standin_sdk  # noqa: F401 (fixture)
+
+
+def hf_greedy(target_dir, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    if model.config.model_type == "gpt_oss":
+        model.set_experts_implementation("eager")  # the default grouped_mm kernel fails on CPU
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=0)
+    return out[0, len(ids):].tolist()
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[0, 333, 223, 83, 87, 75, 493, 279], [0, 45, 12, 99, 7], [0, 250, 251, 252, 253, 254, 255]]
+MAX_TOKENS = [20, 6, 13]  # different lengths: rows finish early and the last row moves down
+
+
+def neuron_pair(tmp_path, tp, arch="llama", options=None):
+    from eagle3_build.recipe import load_recipe
+    from eagle3_build.tiny import make_tiny_pair
+
+    pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp, arch=arch)).pairs[0]
+    return pair.model_copy(update={
+        "backend": "neuron", "backend_options": options or {},
+        "serving": pair.serving.model_copy(update={"max_num_seqs": 2}),
+        "buckets": pair.buckets.model_copy(update={"batch": [1, 2]})})
+
+
+def serve_batch(bundle, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> tuple[list[list[int]], int]:
+    """Continuous batching: every request queued at once, two rows at a time."""
+    from eagle3_runtime.engine import Engine, Request
+
+    engine = Engine(bundle)
+    moves = []
+    real_move = bundle.copy_kv_row
+    bundle.copy_kv_row = lambda src, dst: (moves.append((src, dst)), real_move(src, dst))
+    outs = [[] for _ in prompts]
+    for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
+        engine.submit(Request(list(ids), n, on_event=lambda e, i=i: outs[i].extend(e.token_ids)))
+    with torch.inference_mode():
+        while engine.has_work():
+            engine.step()
+    return outs, len(moves)
+
+
+@pytest.mark.parametrize("tp,arch", [(1, "llama"), (2, "llama"), (4, "llama"), (2, "gpt-oss")])
+def test_spmd_bundle_decodes_like_transformers(standin_sdk, tmp_path, tp, arch):
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+    from eagle3_runtime.bundle import Bundle
+
+    pair = neuron_pair(tmp_path, tp, arch)
+    out = tmp_path / "bundle"
+    m = build_bundle(pair, out, cache=CompileCache(tmp_path / "cache"))
+
+    # one ModelBuilder per model, keys = its roles + kv_move, one example tuple per bucket, int32 indices
+    builders = StandInModelBuilder.instances
+    assert [sorted(b.model_collection) for b in builders] == [
+        ["kv_move", "target_decode", "target_prefill", "target_verify"],
+        ["draft_catchup", "draft_prefill", "draft_step", "kv_move"]]
+    for b in builders:
+        assert b.tp_degree == tp and b.logical_nc_config == 2
+        for key, c in b.model_collection.items():
+            assert isinstance(c["compiler_args"], str) and "--lnc 2" in c["compiler_args"]
+            assert (c["priority"] == 0) == (key in ("target_verify", "draft_step"))
+            for ex in c["examples"]:
+                assert all(x.dtype in (torch.int32, torch.float32) for x in ex)
+    assert len(builders[0].model_collection["target_prefill"]["examples"]) == len(pair.buckets.prefill)
+    assert len(builders[0].model_collection["target_verify"]["examples"]) == 2
+    # the manifest: one NxD model file per model, NxD's per-rank checkpoints with the rank weight
+    for name in ("target", "draft"):
+        graphs = [g for g in m.graphs if g.model == name]
+        assert {g.file.path for g in graphs} == {f"graphs/{name}.pt"}
+        assert all(g.backend["format"] == "nxd-model" and g.backend["neff"] == f"graphs/{g.name}.neff"
+                   for g in graphs)
+        assert [f.path for f in m.models[name].weight_files] == [
+            f"weights/{name}/tp{r}_sharded_checkpoint.safetensors" for r in range(tp)]
+        for r, f in enumerate(m.models[name].weight_files):
+            sd = load_file(out / f.path)
+            assert sd["rank_util.rank"].tolist() == [r] and sd["rank_util.rank"].dtype == torch.int32
+            assert set(sd) == set(m.models[name].tensors)
+        assert (out / f"graphs/{name}.pt").stat().st_size < 2e6  # graphs only: no weights inside
+    assert all(i.dtype == "int32" for g in m.graphs for i in g.inputs[1:] if i.name not in ("aux", "hidden"))
+    assert m.toolchain["neuronx_distributed"] == "0.0.0-standin"
+    shown = run_cli("eagle3-build", "inspect", str(out)).stdout
+    assert "neuronx-cc target_prefill:" in shown and "tp0_sharded_checkpoint" in shown
+
+    # one process drives every rank; continuous batching moves KV rows on the device
+    outs, moves = serve_batch(Bundle(out))
+    assert moves > 0
+    for ids, n, got in zip(PROMPTS, MAX_TOKENS, outs):
+        assert got == hf_greedy(tmp_path / "pair" / "target", ids, n)
+
+
+def test_torchrun_is_refused_with_the_command(standin_sdk, tmp_path):
+    """Failure 4 for the new design: a neuron bundle never runs under torchrun (one process owns the cores)."""
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+
+    out = tmp_path / "bundle"
+    build_bundle(neuron_pair(tmp_path, 2), out, cache=CompileCache(tmp_path / "cache"))
+    r = run_cli("eagle3-run", str(out), "--prompt", "hi", "--max-tokens", "4",
+                env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert r.returncode == 2, r.stderr
+    msg = " ".join(r.stderr.split())
+    assert "do not start it under torchrun" in msg and "NEURON_RT_VISIBLE_CORES=0-1 eagle3-serve" in msg
+    assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ issue 18's failures, old design vs new
+
+def old_design_graph(tmp_path, tp):
+    """One graph (target_decode b1) as the replaced design exported it."""
+    from eagle3_build.bundle import build_models, load_pair, tracing_process_group, trace_graphs
+    from eagle3_build.cache import CompileCache
+    from eagle3_build.graphs import GraphSpec
+
+    from eagle3_build.backends import export
+
+    pair = neuron_pair(tmp_path, tp).model_copy(update={"backend": "export"})
+    bm = build_models(load_pair(pair))
+    with tracing_process_group(tp):
+        (tg,) = list(trace_graphs(bm, export, CompileCache(tmp_path / "cache"), [GraphSpec("target_decode", 1)]))
+    return tg.job.ep
+
+
+@pytest.mark.parametrize("check, tp, needle", [
+    ("aliases", 1, "is also an example input"),   # 1: the KV cache aliased as an example input
+    ("weights", 1, "weight tensors"),             # 2: every graph holds the rank's weights
+    ("collectives", 2, "c10d_functional"),        # 3: functional collectives (group dropped by torch-xla)
+])
+def test_standin_catches_the_old_design(monkeypatch, tmp_path, check, tp, needle):
+    from neuron_old_design import compile_old
+
+    install(monkeypatch, StandInNeuronx(strict={check}))
+    ep = old_design_graph(tmp_path, tp)
+    from eagle3_build.bundle import tracing_process_group
+
+    with tracing_process_group(tp), pytest.raises(ValueError, match=needle):
+        compile_old(ep, tmp_path / "work")
+
+
+def test_standin_catches_one_process_per_rank(tmp_path):
+    """Failure 4: the old runtime loaded a rank per torchrun process; the Neuron runtime gives every visible
+    core to the first process, so the second rank's load fails."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys, time, torch; sys.path.insert(0, sys.argv[1])\n"
+        "import neuron_standin as s\n"
+        "m = torch.jit.script(torch.nn.Linear(2, 2))\n"
+        "s.StandInNeuronx.replace_weights(m, {})  # the old per-rank loader: NEFF onto the cores\n"
+        "print('loaded', flush=True); time.sleep(float(sys.argv[2]))\n")
+    env = {"NEURON_STANDIN_DEVICE_DIR": str(tmp_path / "cores"), "PATH": "/usr/bin:/bin"}
+    first = subprocess.Popen([sys.executable, str(script), str(REPO / "tests"), "30"], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=REPO)
+    try:
+        assert first.stdout.readline().strip() == "loaded"
+        second = subprocess.run([sys.executable, str(script), str(REPO / "tests"), "0"], capture_output=True,
+                                text=True, env=env, cwd=REPO, timeout=60)
+        assert second.returncode != 0 and "in use by another process" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_standin_catches_a_rank_read_from_an_input(standin_sdk, tmp_path, monkeypatch):
+    """Failure 5: SPMD sends the same inputs to every rank, so a rank taken from an input is rank 0
+    everywhere; the simulated TP 2 run then decodes wrong, while the rank weight decodes right."""
+    from eagle3_build.backends import neuron
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+    from eagle3_runtime.bundle import Bundle
+
+    from eagle3_build.models.llama import KVCache
+
+    real_run = neuron.NeuronKey.run
+
+    def rank_from_input(self, inputs):  # a rank *input* holds rank 0's value on every rank
+        if self.role == neuron.KV_MOVE:
+            return real_run(self, inputs)
+        cache = KVCache(self.kv, functional=True)
+        outs = tuple(self._role_module(cache, torch.zeros(1, dtype=torch.int32), *inputs[:self.n_role_inputs]))
+        fill = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(self.n_out - len(outs)))
+        return (*outs, *fill, cache.kv)
+
+    monkeypatch.setattr(neuron.NeuronKey, "run", rank_from_input)
+    pair = neuron_pair(tmp_path, 2)
+    build_bundle(pair, tmp_path / "wrong", cache=CompileCache(tmp_path / "cache"))
+    wrong, _ = serve_batch(Bundle(tmp_path / "wrong"), PROMPTS[:1], MAX_TOKENS[:1])
+    assert wrong[0] != hf_greedy(tmp_path / "pair" / "target", PROMPTS[0], MAX_TOKENS[0])
+
+
+def test_standin_refuses_what_nxd_refuses(standin_sdk, tmp_path):
+    """The contract checks the new design passes, each shown to fire."""
+    from neuron_standin import BaseModelInstance
+
+    class Stateful(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+            self.kv = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def forward(self, x):
+            return x * self.w, self.kv + x
+
+    def build(module_cls, aliases_of, examples):
+        b = StandInModelBuilder(None, 1, None, compiler_workdir=str(tmp_path / "work"))
+        shared = module_cls()
+        b.add("k", BaseModelInstance(lambda: shared, aliases_of(shared)), examples, "-O2")
+        return b.trace(initialize_model_weights=False)
+
+    x = (torch.zeros(4),)
+    build(Stateful, lambda m: {m.kv: 1}, [x])  # the happy path
+    with pytest.raises(ValueError, match="not a Parameter"):
+        build(Stateful, lambda m: {torch.zeros(4): 1}, [x])
+    with pytest.raises(ValueError, match="same input shapes"):
+        build(Stateful, lambda m: {m.kv: 1}, [x, (torch.ones(4),)])
+
+    class InPlace(Stateful):
+        def forward(self, x):
+            self.kv.add_(x)
+            return x * self.w, self.kv + 0
+
+    with pytest.raises(ValueError, match="mutated in place"):
+        build(InPlace, lambda m: {m.kv: 1}, [x])
+
+    class VarArgs(Stateful):
+        def forward(self, *xs):
+            return xs[0] * self.w, self.kv + xs[0]
+
+    with pytest.raises(NotImplementedError, match=r"\*args"):
+        build(VarArgs, lambda m: {m.kv: 1}, [x])
+    traced = build(Stateful, lambda m: {m.kv: 1}, [x])
+    with pytest.raises(ValueError, match="not initialized"):
+        traced(*x)
+    with pytest.raises(KeyError, match="missing"):
+        traced.nxd_model.initialize([{}], torch.tensor([0], dtype=torch.int32))
+    traced.nxd_model.initialize([{"w": torch.ones(4)}], torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="not found in input_shape_map"):
+        traced(torch.zeros(5))
