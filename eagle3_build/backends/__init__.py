@@ -2,7 +2,8 @@
 NAME, SUFFIX, JOB_MEMORY_GB (per parallel compile job), version(), key_fields(role) (what enters the
 compile-cache key besides the graph), toolchain() (extra manifest entries),
 output_specs(module, example_args) and compile_exported(ep, out_path, key, role) -> info dict (the role
-selects per-role options, e.g. neuronx-cc flags).
+selects per-role options). An SPMD backend (neuron: `SPMD = True`) compiles per model instead,
+`compile_model(model_graphs, tp, out_dir)`: one artifact holding every role, bucket and rank.
 
 `preflight` runs before anything heavy (no torch import), so a missing SDK fails in well under a second.
 """
