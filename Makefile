@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-all demo demo-tiny clean
+.PHONY: setup test test-all demo demo-tiny clean test-neuron-stack neuron-hlo
 
 $(BIN)/.installed: requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,36 @@ demo-tiny: setup
 	$(BIN)/eagle3-build compile artifacts/tiny-pair/recipe.yaml
 	$(BIN)/eagle3-build inspect artifacts/tiny-llama-speculators
 	$(BIN)/eagle3-run artifacts/tiny-llama-speculators --prompt "The quick brown fox" --max-tokens 48
+
+# the neuron path on the Neuron SDK's Python stack (transformers 4.57.x; torch stays the local 2.13.0 CPU wheel):
+# its own venv, installed like `setup` does .venv, then the neuron-path tests
+NS_VENV := .venv-neuron-stack
+NS_BIN := $(NS_VENV)/bin
+NEURON_STACK_TESTS := tests/test_neuron_spmd.py tests/test_neuron.py tests/test_graphs_numeric.py
+
+$(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml
+	$(PY) -m venv $(NS_VENV)
+	$(NS_BIN)/pip install -q --upgrade pip
+	$(NS_BIN)/pip install -q -r requirements-neuron-stack.txt
+	$(NS_BIN)/pip install -q --no-deps -e .
+	touch $@
+
+test-neuron-stack: $(NS_BIN)/.installed
+	$(NS_BIN)/python -m pytest -q $(NEURON_STACK_TESTS)
+
+# what the neuron backend traces, lowered to HLO by torch-xla 2.9 on CPU and checked (tools/neuron_hlo.py;
+# not part of `test`): writes benchmarks/results/neuron-hlo.json. Its own venv, torch 2.9 + torch-xla 2.9
+XLA_VENV := .venv-xla
+XLA_BIN := $(XLA_VENV)/bin
+
+$(XLA_BIN)/.installed:
+	test -x $(XLA_BIN)/python || $(PY) -m venv $(XLA_VENV)
+	$(XLA_BIN)/pip install -q torch==2.9.0 torch-xla==2.9.0 'transformers==4.57.*' safetensors pydantic tokenizers \
+		jinja2 pyyaml numpy
+	touch $@
+
+neuron-hlo: $(XLA_BIN)/.installed
+	PJRT_DEVICE=CPU $(XLA_BIN)/python tools/neuron_hlo.py
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache

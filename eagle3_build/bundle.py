@@ -15,6 +15,7 @@ import dataclasses
 import datetime as dt
 import errno
 import json
+import math
 import os
 import platform
 import re
@@ -463,39 +464,70 @@ def _model_entry(bm: BuildModels, name: str, root: Path, files: list[Path], tens
                       weight_files=[file_entry(root, f) for f in files], tensors=tensors)
 
 
-def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache, report: Report,
-                       require_cached: bool, t0: float) -> Manifest:
-    """Neuron: one NxD model per model (every role, bucket and rank; backends/neuron.py) and NxD's
-    per-rank checkpoints, keyed by the traced parameter names plus the rank weight."""
-    from .backends.neuron import ModelGraphs, RANK_WEIGHT, rank_weights, shard_file, weight_dtype, weight_key
+@dataclass
+class SpmdModel:
+    """One model of a neuron bundle as its ModelBuilder sees it, with its cache key and manifest inputs."""
+
+    graphs: object  # backends.neuron.ModelGraphs
+    key: str
+    inputs: dict[str, list[TensorSpec]]  # graph name -> manifest inputs (the rank first)
+    names: list[str]  # canonical weight names, in file order
+
+    def shard_bytes(self) -> int:
+        """Tensor bytes of one rank's NxD checkpoint (its weights plus the int32 rank weight)."""
+        return sum(math.prod(sh) * x.itemsize for sh, x in self.graphs.weights.values()) + 4
+
+
+def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
+    """What each model's ModelBuilder gets (shared by the build and `plan`; `backend` None: no SDK, no key)."""
+    from .backends.neuron import INDEX_DTYPE, KV_MOVE, ModelGraphs, weight_dtype
 
     pair = bm.lp.pair
     dtype, K, tp = DTYPES[pair.dtype], pair.speculation.num_speculative_tokens, pair.parallel.tp_degree
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
-    specs = graph_plan(pair)
-    report({"event": "stage", "stage": "graphs", "total": len(specs), "jobs": 1})
-    graph_entries, extra_files, model_entries, timings = [], [], {}, {}
-    status = {}
+    out = {}
     for name, (model, ckpt, layout) in bm.models.items():
         local = dict(model.named_parameters()) | dict(model.named_buffers())
         names = model_weight_names(model)
         shapes = {n: (list(local[n].shape), weight_dtype(dtype if local[n].dtype.is_floating_point else local[n].dtype))
                   for n in names}
-        graphs, entries_in = [], {}
-        for spec in (sp for sp in specs if sp.model == name):
+        graphs, inputs = [], {}
+        for spec in (sp for sp in graph_plan(pair) if sp.model == name):
             ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
-                              dtype=dtype, index_dtype=backend.INDEX_DTYPE)
+                              dtype=dtype, index_dtype=INDEX_DTYPE)
             graphs.append((spec, ins[1:]))
-            entries_in[spec.name] = [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, sh, x in ins]
+            inputs[spec.name] = [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, sh, x in ins]
         state = bm.state[name]
         mg = ModelGraphs(name, model, shapes, (state.shape, DTYPES[state.dtype]), graphs,
                          n_out=max(len(OUTPUT_NAMES[sp.role]) for sp, _ in graphs))
-        key = trace_key({"spmd_model": name, "dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
-                         "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
-                         "args": _jsonable(dataclasses.asdict(ckpt.args)), "layout": layout.to_dict(),
-                         "graphs": [[sp.role, sp.bucket, [[n, sh, str(x)] for n, sh, x in ins]] for sp, ins in graphs],
-                         "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
-                         "backend": {k: backend.key_fields(k) for k in mg.keys()}})
+        key = "" if backend is None else trace_key({
+            "spmd_model": name, "dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
+            "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
+            "args": _jsonable(dataclasses.asdict(ckpt.args)), "layout": layout.to_dict(),
+            "graphs": [[sp.role, sp.bucket, [[n, sh, str(x)] for n, sh, x in ins]] for sp, ins in graphs],
+            "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
+            "backend": {k: backend.key_fields(k) for k in [*dict.fromkeys(sp.role for sp, _ in graphs), KV_MOVE]}})
+        out[name] = SpmdModel(mg, key, inputs, names)
+    return out
+
+
+def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache, report: Report,
+                       require_cached: bool, t0: float) -> Manifest:
+    """Neuron: one NxD model per model (every role, bucket and rank; backends/neuron.py) and NxD's
+    per-rank checkpoints, keyed by the traced parameter names plus the rank weight."""
+    from .backends.neuron import RANK_WEIGHT, rank_weights, shard_file, weight_key
+
+    pair = bm.lp.pair
+    tp = pair.parallel.tp_degree
+    report({"event": "stage", "stage": "graphs", "total": len(graph_plan(pair)), "jobs": 1})
+    graph_entries, extra_files, model_entries, timings, status = [], [], {}, {}, {}
+    models = spmd_models(bm, backend)
+    for sm in models.values():  # before anything compiles
+        sm.graphs.check_routing()
+    for name, sm in models.items():
+        model, ckpt, layout = bm.models[name]
+        mg, key, names, graphs = sm.graphs, sm.key, sm.names, sm.graphs.graphs
+        shapes, entries_in, state = mg.weights, sm.inputs, bm.state[name]
         entry, t_model = cache.get(key), time.perf_counter()
         status[name] = "cached" if entry is not None else "compiled"
         for sp, _ in graphs:
@@ -508,6 +540,18 @@ def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache
             staged = cache.staging_dir()
             try:
                 info = backend.compile_model(mg, tp, staged)
+            except UserError:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            except Exception as e:  # one failure for the model's builder, with its log, as for any graph
+                shutil.rmtree(staged, ignore_errors=True)
+                import traceback
+
+                error = f"{type(e).__name__}: {e}"
+                log = cache.record_failure(key, {"graph": name, "backend": backend.NAME, "error": error},
+                                           traceback.format_exc())
+                raise CompileFailed([GraphResult(GraphJob(f"{name} (ModelBuilder)", name, 0, 0, key, None), "failed",
+                                                 error=error, log=log)]) from e
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise

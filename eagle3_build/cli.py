@@ -334,8 +334,17 @@ def plan_cmd(
         out_console.print(line, highlight=False)
         for note in r["notes"]:
             out_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        for b in r.get("builders") or []:
+            shards = b["shard_files"]
+            out_console.print(f"ModelBuilder {b['model']} -> {b['artifact']} (TP {b['tp_degree']}, cache {b['cache']}); "
+                              f"per-rank checkpoints {shards[0]['path'].rsplit('/', 1)[0]}/tp{{0..{len(shards) - 1}}}_"
+                              f"sharded_checkpoint.safetensors, {shards[0]['bytes'] / 1e9:.3f} GB each", highlight=False)
+            for k in b["keys"]:
+                prio = "" if k["priority_bucket"] is None else f", priority bucket {k['priority_bucket']}"
+                out_console.print(f"  key {k['key']}: buckets {k['buckets']}{prio}; {shlex.join(k['compiler_args'])}",
+                                  highlight=False, soft_wrap=True)
         if r["compiler_args"] is not None:
-            out_console.print("neuronx-cc commands (run by torch_neuronx.trace, one NEFF per graph):")
+            out_console.print("neuronx-cc commands (one NEFF per graph, compiled by ModelBuilder.trace):")
             for g in r["graphs"]:
                 out_console.print(f"  {g['compiler_command']}", highlight=False, soft_wrap=True)
 

@@ -59,6 +59,7 @@ class PairPlan:
     estimate_s: float | None  # wall time of the misses at `jobs` parallel jobs
     compiler_args: dict[str, list[str]] | None = None  # neuron: neuronx-cc flags per graph role
     notes: list[str] = field(default_factory=list)
+    builders: list[dict] | None = None  # neuron: one NxD ModelBuilder per model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,7 +155,8 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     if backend is not None and not exact:
         notes.append("cache status unknown: configs come from a planning copy, not the checkpoint")
     traced = {}
-    if backend is not None and exact and keys:
+    spmd = pair.backend == "neuron"
+    if backend is not None and exact and keys and not spmd:
         from .bundle import tracing_process_group
 
         with tracing_process_group(pair.parallel.tp_degree):
@@ -189,9 +191,34 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
             g.artifact = f"graphs/{spec.name}.neff"
             g.compiler_command = neuronx_cc_command(spec.name, cc_args[spec.role])
         graphs.append(g)
+    builders = _builders(bm, backend if exact and keys else None, cache, cc_args) if spmd else None
     jobs = default_jobs(backend, sum(g.cache != "hit" for g in graphs)) if backend is not None else None
     total = None
     if backend is not None:
         total = round(sum(g.estimate_s or 0.0 for g in graphs) / max(1, jobs or 1), 1)
     return PairPlan(pair.name, pair.backend, pair.parallel.tp_degree, K, origin, sizes, graphs, jobs, total,
-                    cc_args, notes)
+                    cc_args, notes, builders)
+
+
+def _builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:
+    """Neuron: what each model's ModelBuilder gets — keys (roles + kv_move) with their buckets, the
+    priority bucket, flags, the NEFFs — and the per-rank NxD checkpoint files it is served with."""
+    from .backends.neuron import KV_MOVE, PRIORITY_ROLE, compiler_args, shard_file
+    from .bundle import spmd_models
+
+    out = []
+    tp = bm.lp.pair.parallel.tp_degree
+    for name, sm in spmd_models(bm, backend).items():
+        keys = []
+        for key in sm.graphs.keys():
+            specs = [sp for sp, _ in sm.graphs.graphs if sp.role == key]
+            keys.append({"key": key, "buckets": [sp.bucket for sp in specs] or [1],
+                         "priority_bucket": 0 if key == PRIORITY_ROLE[name] else None,
+                         "compiler_args": cc_args.get(key) or compiler_args(bm.lp.pair.backend_options, KV_MOVE),
+                         "neffs": [f"graphs/{sp.name}.neff" for sp in specs] or [f"graphs/{name}_{KV_MOVE}.neff"]})
+        status = "unknown" if not sm.key else ("hit" if cache.get(sm.key, check=False) else "miss")
+        out.append({"model": name, "artifact": f"graphs/{name}.pt", "tp_degree": tp, "arity": sm.graphs.arity,
+                    "cache": status, "key": sm.key or None, "keys": keys,
+                    "shard_files": [{"path": f"weights/{name}/{shard_file(r)}", "bytes": sm.shard_bytes()}
+                                    for r in range(tp)]})
+    return out

@@ -331,6 +331,23 @@ def _structured_draft(g: torch.Generator, embed, perm, ids, in_d, hidden: int) -
 # =================================================================================================
 # writers
 # =================================================================================================
+def _rope_kwargs(rope: dict) -> dict:
+    """The rope arguments of a transformers config class, in the form the installed transformers reads
+    (5.x ``rope_parameters``, 4.x ``rope_theta`` + ``rope_scaling``)."""
+    from .models.llama import Rope
+
+    return Rope.config_kwargs(rope)
+
+
+def _with_both_rope_forms(cfg: dict, rope: dict) -> dict:
+    """``cfg`` (a config.json dict) with the rope in both forms, ``rope_parameters`` for transformers 5 and
+    ``rope_theta`` + ``rope_scaling`` for 4.x readers (the Neuron SDK's stack), which agree: 5.x reads the
+    legacy pair back into exactly ``rope_parameters``."""
+    from .models.llama import Rope
+
+    return {**cfg, **Rope.config_fields(rope)}
+
+
 def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True, hidden_size: int = HIDDEN):
     from transformers import LlamaConfig
 
@@ -345,7 +362,7 @@ def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True, hidde
         hidden_act="silu",
         max_position_embeddings=MAX_POS,
         rms_norm_eps=RMS_EPS,
-        rope_parameters=dict(TARGET_ROPE if rope_scaling else TARGET_PLAIN_ROPE),
+        **_rope_kwargs(TARGET_ROPE if rope_scaling else TARGET_PLAIN_ROPE),
         tie_word_embeddings=False,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
@@ -377,6 +394,10 @@ def _write_target(
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id)
     model.eval()
     model.save_pretrained(str(target_dir), safe_serialization=True)
+    cfg_path = target_dir / "config.json"
+    rope = TARGET_ROPE if rope_scaling else TARGET_PLAIN_ROPE
+    cfg_path.write_text(json.dumps(_with_both_rope_forms(json.loads(cfg_path.read_text()), rope),
+                                   indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(str(target_dir))
 
 
@@ -871,9 +892,10 @@ def gpt_oss_config(bos_id: int, eos_id: int, *, hidden_size: int = GPT_OSS_HIDDE
         num_hidden_layers=GPT_OSS_LAYERS, num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS,
         head_dim=HEAD_DIM, num_local_experts=GPT_OSS_EXPERTS, num_experts_per_tok=GPT_OSS_TOP_K,
         sliding_window=GPT_OSS_WINDOW, max_position_embeddings=MAX_POS, rms_norm_eps=RMS_EPS,
-        rope_parameters=dict(GPT_OSS_ROPE), tie_word_embeddings=False, attention_bias=True,
+        **_rope_kwargs(GPT_OSS_ROPE), tie_word_embeddings=False, attention_bias=True,
         bos_token_id=bos_id, eos_token_id=eos_id, dtype="bfloat16",
     ).to_dict()
+    cfg = _with_both_rope_forms(cfg, GPT_OSS_ROPE)
     cfg["architectures"] = ["GptOssForCausalLM"]
     if mxfp4:
         cfg["quantization_config"] = {

@@ -58,6 +58,21 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
     else:  # GPT-OSS-120B in bf16 (116.8e9 params), hidden/intermediate 2880 -> 3072 on the experts, / 16 ranks
         assert 116.8e9 * 2 / 16 < per_rank < 116.8e9 * 2 / 16 * (3072 / 2880) ** 2 * 1.01, per_rank
     assert {g["cache"] for g in plan["graphs"]} == {"unknown"}
+    # one NxD ModelBuilder per model: keys (roles + kv_move) with their buckets, priority, flags, rank files
+    target, draft = plan["builders"]
+    assert (target["model"], draft["model"]) == ("target", "draft") and target["artifact"] == "graphs/target.pt"
+    prefill, batch = plan_buckets = (len({g["bucket"] for g in plan["graphs"] if g["role"] == "target_prefill"}),
+                                     len({g["bucket"] for g in plan["graphs"] if g["role"] == "target_verify"}))
+    assert plan_buckets == ((5, 2) if tp == 8 else (1, 1))
+    assert {k["key"]: len(k["buckets"]) for k in target["keys"]} == {
+        "target_prefill": prefill, "target_verify": batch, "target_decode": batch, "kv_move": 1}
+    assert [k["key"] for k in draft["keys"] if k["priority_bucket"] == 0] == ["draft_step"]
+    for b in (target, draft):
+        for k in b["keys"]:
+            assert k["compiler_args"] == ROLE_DEFAULTS.get(k["key"], TOKEN)
+        assert [f["path"] for f in b["shard_files"]] == [
+            f"weights/{b['model']}/tp{r}_sharded_checkpoint.safetensors" for r in range(tp)]
+    assert target["shard_files"][0]["bytes"] == per_rank + 4  # the weights plus the int32 rank weight
     for g in plan["graphs"]:
         assert g["artifact"] == f"graphs/{g['name']}.neff"
         assert g["compiler_command"].startswith(f"neuronx-cc compile --framework XLA {g['name']}.hlo.pb --output "

@@ -254,3 +254,42 @@ def test_standin_refuses_what_nxd_refuses(standin_sdk, tmp_path):
     traced.nxd_model.initialize([{"w": torch.ones(4)}], torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match="not found in input_shape_map"):
         traced(torch.zeros(5))
+
+
+def test_plan_knows_the_built_models_and_refuses_ambiguous_routes(standin_sdk, tmp_path):
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+    from eagle3_build.errors import UserError
+    from eagle3_build.planning import plan_pair
+
+    pair, cache = neuron_pair(tmp_path, 1), CompileCache(tmp_path / "cache")
+    assert {b["cache"] for b in plan_pair(pair, cache).builders} == {"miss"}
+    build_bundle(pair, tmp_path / "bundle", cache=cache)
+    plan = plan_pair(pair, cache)
+    assert {b["cache"] for b in plan.builders} == {"hit"}
+    sizes = [f.size for f in __import__("eagle3_runtime.bundle").bundle.read_manifest(tmp_path / "bundle")
+             .models["target"].weight_files]
+    assert abs(plan.builders[0]["shard_files"][0]["bytes"] - sizes[0]) < 16 << 10  # (file header aside)
+    # a prefill bucket of K + 1 tokens has the draft catch-up's input shapes at batch 1: NxD could not route it
+    K = pair.speculation.num_speculative_tokens
+    clash = pair.model_copy(update={"buckets": pair.buckets.model_copy(update={"prefill": [K + 1, 64]})})
+    with pytest.raises(UserError, match="same shapes.*routes a call by input shapes"):
+        build_bundle(clash, tmp_path / "clash", cache=cache)
+    assert not (tmp_path / "clash").exists()
+
+
+def test_a_failed_model_build_is_one_compile_failure(standin_sdk, tmp_path, monkeypatch):
+    from eagle3_build.bundle import build_bundle
+    from eagle3_build.cache import CompileCache
+    from eagle3_build.compiler import CompileFailed
+
+    def broken(self, **kw):
+        raise RuntimeError("neuronx-cc: internal compiler error (injected)")
+
+    monkeypatch.setattr(StandInModelBuilder, "trace", broken)
+    with pytest.raises(CompileFailed) as e:
+        build_bundle(neuron_pair(tmp_path, 1), tmp_path / "bundle", cache=CompileCache(tmp_path / "cache"))
+    (f,) = e.value.failures
+    assert f.job.name == "target (ModelBuilder)" and "internal compiler error" in f.error and f.log.is_file()
+    assert not (tmp_path / "bundle").exists()
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.name.endswith(".pt")]

@@ -135,7 +135,8 @@ def flag_value(args: list[str], name: str) -> str | None:
 
 
 def neuronx_cc_command(name: str, args: list[str]) -> str:
-    """The neuronx-cc invocation torch_neuronx.trace runs for one graph (as the plan prints it)."""
+    """The neuronx-cc invocation for one graph's HLO (as the plan prints it; ModelBuilder.trace adds
+    --logfile / --verbose and, for the priority bucket, --enable-internal-neff-wrapper)."""
     return shlex.join(["neuronx-cc", "compile", "--framework", "XLA", f"{name}.hlo.pb", "--output", f"{name}.neff",
                        *args])
 

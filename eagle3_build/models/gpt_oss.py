@@ -184,7 +184,10 @@ class Experts(nn.Module):
         """Every expert on every token, weighted by the (mostly zero) routing weights (prefill)."""
         gu = torch.einsum("nh,ehi->eni", x, self.gate_up_proj) + self.gate_up_proj_bias[:, None]
         y = torch.einsum("eni,eih->enh", self.act(gu), self.down_proj) + self.down_proj_bias[:, None]
-        weights = torch.zeros(x.shape[0], y.shape[0], dtype=w.dtype, device=w.device).scatter(1, idx, w)
+        # routing weights [N, E] as a one-hot sum rather than a scatter (no int64 scatter for neuronx-cc;
+        # the same values: each expert is chosen at most once per token)
+        experts = torch.arange(y.shape[0], device=idx.device, dtype=idx.dtype)
+        weights = ((idx[..., None] == experts).to(w.dtype) * w[..., None]).sum(dim=1)
         return torch.einsum("enh,ne->nh", y, weights)
 
 

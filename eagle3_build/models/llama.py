@@ -51,14 +51,15 @@ class LlamaArgs:
 
 
 def rope_params(cfg: dict) -> dict:
-    """HF rope parameters from a config dict (transformers 5 `rope_parameters` or 4.x `rope_scaling`)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if not params:
-        params = dict(cfg.get("rope_scaling") or {})
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
+    """HF rope parameters from a config dict, read as transformers reads config.json: 5.x takes a truthy
+    legacy `rope_scaling` over `rope_parameters` (4.x knows only `rope_scaling`), and the top-level
+    `rope_theta` fills a missing `rope_theta`. A file carrying both forms consistently (what
+    `Rope.config_fields` writes) reads the same either way."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+    params.setdefault("rope_theta", float(cfg.get("rope_theta") or 10000.0))
     return params
 
 
@@ -78,22 +79,47 @@ def llama_args(cfg: dict, role: str) -> LlamaArgs:
 
 
 def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling exactly as transformers computes them (the numerical reference)."""
+    """inv_freq and attention scaling exactly as the installed transformers (4.x or 5.x) computes them
+    for these rope parameters (the numerical reference)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = dict(rope)
-    rope_type = params.get("rope_type", "default")
+    rope_type = rope.get("rope_type", "default")
     cfg = LlamaConfig(head_dim=head_dim, hidden_size=head_dim, num_attention_heads=1,
-                      max_position_embeddings=max_position_embeddings, rope_parameters=params)
-    if rope_type == "default":
+                      max_position_embeddings=max_position_embeddings, **Rope.config_kwargs(rope))
+    if rope_type in ROPE_INIT_FUNCTIONS:  # 4.x has "default" there too
+        return ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    if rope_type == "default":  # 5.x: the default rope lives on the model's rotary embedding
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         return LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
-    return ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    raise CheckpointError(f"rope_type {rope_type!r} is not known to the installed transformers")
 
 
 class Rope(nn.Module):
+    @staticmethod
+    def config_fields(rope: dict) -> dict:
+        """The config.json keys for rope parameters in both forms: `rope_parameters` (transformers 5) and
+        `rope_theta` + `rope_scaling` (4.x: None for the default rope, else the parameters less the theta).
+        transformers 5 reads `rope_scaling` + `rope_theta` back into exactly `rope_parameters`."""
+        params = dict(rope)
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", 10000.0)
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return {"rope_parameters": params, "rope_theta": params["rope_theta"],
+                "rope_scaling": None if params["rope_type"] == "default" else scaling}
+
+    @staticmethod
+    def config_kwargs(rope: dict) -> dict:
+        """The rope keyword arguments the installed transformers' config classes understand:
+        `rope_parameters` for 5.x, `rope_theta` + `rope_scaling` for 4.x (which ignores `rope_parameters`)."""
+        import transformers
+
+        fields = Rope.config_fields(rope)
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            return {"rope_parameters": fields["rope_parameters"]}
+        return {"rope_theta": fields["rope_theta"], "rope_scaling": fields["rope_scaling"]}
+
     def __init__(self, rope: dict, head_dim: int, max_position_embeddings: int):
         super().__init__()
         with torch.device("cpu"):  # real even when the model is built on the meta device
@@ -127,7 +153,10 @@ class FunctionalCollectives:
         return funcol.all_reduce(x, "sum", self.GROUP)
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return funcol.all_gather_single(x, x.dim() - 1, self.GROUP)
+        if hasattr(funcol, "all_gather_single"):
+            return funcol.all_gather_single(x, x.dim() - 1, self.GROUP)
+        # torch 2.9 (the Neuron SDK's) has the same op only under its older name, which wants contiguous input
+        return funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, self.GROUP)
 
 
 class Comm:
