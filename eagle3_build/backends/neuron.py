@@ -288,7 +288,7 @@ class NeuronKey(nn.Module):
             outs: tuple = ()
         else:
             outs = tuple(self._role_module(cache, self.rank_util.rank, *inputs[:self.n_role_inputs]))
-        fill = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(self.n_out - len(outs)))
+        fill = tuple(torch.zeros(1, dtype=torch.int32, device=self.kv.device) for _ in range(self.n_out - len(outs)))
         return (*outs, *fill, cache.kv)
 
 

@@ -203,6 +203,7 @@ class MoE(nn.Module):
         b, T, H = x.shape
         x = x.reshape(b * T, H)
         top, idx = torch.topk(self.router(x), self.top_k, dim=-1)
+        idx = idx.to(torch.int32)  # 32-bit expert indices for the gathers (neuronx-cc: no 64-bit gather/scatter)
         w = top.softmax(dim=-1)
         # static choice per graph: gathering k experts per token beats running all E when N*k < E
         y = self.experts.routed(x, idx, w) if b * T * self.top_k < self.n_experts else self.experts.dense(x, idx, w)

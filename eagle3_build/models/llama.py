@@ -205,8 +205,9 @@ class VocabEmbedding(nn.Module):
         if self.comm.tp == 1:
             return F.embedding(ids, self.weight)
         local = ids - rank * self.vpr
-        ok = (local >= 0) & (local < self.vpr)
-        e = F.embedding(local.clamp(0, self.vpr - 1), self.weight) * ok[..., None].to(self.weight.dtype)
+        rows = local.clamp(0, self.vpr - 1)
+        ok = rows == local  # this rank's rows (a compare with no 64-bit scalar operand for Neuron)
+        e = F.embedding(rows, self.weight) * ok[..., None].to(self.weight.dtype)
         return self.comm.all_reduce(e)
 
 
