@@ -655,7 +655,7 @@ def _write_tokenizer(t: TargetCheckpoint, out: Path) -> list[Path]:
         else:
             tok = AutoTokenizer.from_pretrained(src.directory)
     except Exception as e:
-        raise UserError(f"target {src.spec.uri}: cannot load its tokenizer with transformers: {e}") from None
+        raise UserError(f"target {src.spec.uri}: cannot load its tokenizer with transformers: {e}") from e
     if not getattr(tok, "is_fast", False):
         raise UserError(f"target {src.spec.uri}: only a slow tokenizer is available; the runtime needs "
                         "tokenizer.json (a fast tokenizer)")

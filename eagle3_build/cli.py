@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from eagle3_runtime.errors import DEBUG_ENV, enable_debug, print_cause
+
 from .errors import UserError
 from .recipe import RecipeError, load_recipe, select_pair
 
@@ -22,8 +24,17 @@ out_console = Console()
 
 
 def fail(msg: str, code: int = 2):
+    """One line (and, with --debug / EAGLE3_DEBUG=1, the exception being handled with its causes first)."""
+    print_cause()
     console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", envvar=DEBUG_ENV,
+                                        help="on an error, also print its traceback with the chained causes")):
+    if debug:
+        enable_debug()
 
 
 def _pairs(recipe: Path, pair: Optional[str]):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .backends import unknown_option_message
 from .buckets import default_batch_buckets, default_prefill_buckets
+from .errors import UserError
 
 __all__ = [
     "RecipeIssue",
@@ -71,7 +72,7 @@ class RecipeIssue:
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
 
 
-class RecipeError(Exception):
+class RecipeError(UserError):
     """Every problem found in a recipe; ``str()`` gives one ``file:line: key: message`` per line."""
 
     def __init__(self, errors: list[RecipeIssue]):

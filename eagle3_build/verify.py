@@ -328,13 +328,13 @@ def load_prompts(path: str | Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise VerifyError(f"--prompts {path}: cannot read it ({e.__class__.__name__}: {e})") from None
+        raise VerifyError(f"--prompts {path}: cannot read it ({e.__class__.__name__}: {e})") from e
     prompts: list[str] = []
     if path.suffix == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise VerifyError(f"--prompts {path}: invalid JSON ({e})") from None
+            raise VerifyError(f"--prompts {path}: invalid JSON ({e})") from e
         if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
             raise VerifyError(f"--prompts {path}: a .json prompt file must hold a list of strings")
         prompts = list(data)
@@ -345,7 +345,7 @@ def load_prompts(path: str | Path) -> list[str]:
             try:
                 x = json.loads(line)
             except json.JSONDecodeError as e:
-                raise VerifyError(f"--prompts {path}:{i}: invalid JSON ({e})") from None
+                raise VerifyError(f"--prompts {path}:{i}: invalid JSON ({e})") from e
             if isinstance(x, dict):
                 x = x.get("prompt")
             if not isinstance(x, str):
@@ -384,7 +384,7 @@ def _read_manifest(bundle_dir: Path):
     try:
         return read_manifest(bundle_dir)
     except BundleError as e:
-        raise VerifyError(str(e)) from None
+        raise VerifyError(str(e)) from e
 
 
 # --------------------------------------------------------------------------------- reference model
@@ -405,8 +405,8 @@ def _target_location(manifest, target_source: str | Path | None) -> tuple[Path, 
     raw = dict(manifest.recipe.get("target") or {})
     try:
         spec = SourceSpec(**raw)
-    except (TypeError, ValueError):
-        raise VerifyError(f"{manifest.name}: the manifest records no usable target source; pass --target PATH") from None
+    except (TypeError, ValueError) as e:
+        raise VerifyError(f"{manifest.name}: the manifest records no usable target source; pass --target PATH") from e
     resolved = (manifest.sources.get("target") or {}).get("resolved_revision")
     if spec.kind == "hf" and resolved:
         spec = spec.model_copy(update={"revision": resolved})
@@ -416,7 +416,7 @@ def _target_location(manifest, target_source: str | Path | None) -> tuple[Path, 
     try:
         src = resolve(spec, "target")
     except UserError as e:
-        raise VerifyError(f"{e}; or pass --target PATH") from None
+        raise VerifyError(f"{e}; or pass --target PATH") from e
     desc = spec.uri + (f"@{resolved[:12]}" if spec.kind == "hf" and resolved else "")
     return src.directory, src.gguf_file, desc
 
@@ -433,7 +433,7 @@ def load_reference(manifest, target_source=None, dtype: str | None = None, locat
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kw)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for checkpoints it cannot load
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise VerifyError(f"target {desc}: transformers cannot load it as the reference: {first}") from None
+        raise VerifyError(f"target {desc}: transformers cannot load it as the reference: {first}") from e
     if hasattr(model, "set_experts_implementation"):  # GPT-OSS on CPU: only the eager experts run
         with contextlib.suppress(Exception):  # a model without experts has nothing to switch
             model.set_experts_implementation("eager")
@@ -531,7 +531,7 @@ def verify_bundle(
     try:
         tok = BundleTokenizer(root)
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
-        raise VerifyError(f"{root}: cannot read tokenizer/tokenizer.json ({e}); the bundle is incomplete") from None
+        raise VerifyError(f"{root}: cannot read tokenizer/tokenizer.json ({e}); the bundle is incomplete") from e
     encoded = _encode(texts, tok, root, chat)
     largest = max(manifest.prefill_buckets)
     for i, ids in enumerate(encoded):  # before the (slow) bundle load
@@ -546,13 +546,13 @@ def verify_bundle(
     try:
         bundle = Bundle(root)
     except BundleError as e:
-        raise VerifyError(str(e)) from None
+        raise VerifyError(str(e)) from e
     engine = Engine(bundle)
     for i, ids in enumerate(encoded):
         try:
             engine.check_request(len(ids), 1)
         except RequestError as e:
-            raise VerifyError(f"prompt {i} ({_short(texts[i])!r}): {e}") from None
+            raise VerifyError(f"prompt {i} ({_short(texts[i])!r}): {e}") from e
 
     say("loading the reference target")
     model, ref_desc = load_reference(manifest, dtype=ref_dtype, location=location)

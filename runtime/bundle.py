@@ -293,5 +293,5 @@ class Bundle:
     def graph(self, role: str, bucket: int) -> Graph:
         try:
             return self.graphs[(role, bucket)]
-        except KeyError:
-            raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}") from None
+        except KeyError as e:
+            raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}") from e

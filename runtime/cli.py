@@ -7,6 +7,7 @@ import sys
 
 from .bundle import BundleError
 from .engine import Engine, RequestError
+from .errors import enable_debug, print_cause
 from .tokenizer import BundleTokenizer
 from .tp import open_bundle, shutdown, stop_workers
 from .trust import add_trust_args
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="wrap the prompt as one user message in the bundle's chat template (instruct models)")
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--debug", action="store_true", help="on an error, also print its traceback with the causes")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per process (default 1: decode steps are latency-bound and "
                          "multi-threaded small matmuls stall when cores are shared)")
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     except UnicodeEncodeError as e:
         print(f"error: --prompt is not valid UTF-8 (at character {e.start}); pass UTF-8 text", file=sys.stderr)
         return 2
+    if args.debug:
+        enable_debug()
     set_threads(args.threads)
     ctx = None
     try:
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             if ctx is not None:
                 stop_workers(ctx)
     except (BundleError, RequestError) as e:
+        print_cause(e)
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

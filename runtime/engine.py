@@ -27,12 +27,13 @@ from typing import Callable
 import torch
 
 from .buckets import pick_bucket
+from .errors import Eagle3Error
 from .bundle import DTYPES, Bundle
 from .metrics import Metrics
 from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
 
 
-class RequestError(ValueError):
+class RequestError(Eagle3Error, ValueError):
     """A request this bundle cannot serve (the message has the numbers; `param` names the field)."""
 
     def __init__(self, message: str, param: str = "prompt"):

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .errors import Eagle3Error
+
 SCHEMA_VERSION = 2  # 2: graph keys, bundle digest, build record
 MANIFEST = "manifest.json"
 
@@ -41,7 +43,7 @@ def bundle_relpath(path: str) -> str:
     return path
 
 
-class BundleError(Exception):
+class BundleError(Eagle3Error):
     """The bundle cannot be served; the message names the file and the fix."""
 
 

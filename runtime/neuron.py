@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import Eagle3Error
 from .manifest import BundleError, Manifest
 
 SDK = {"torch_neuronx": "torch_neuronx", "neuronxcc": "neuronx_cc", "libneuronxla": "libneuronxla",
@@ -52,7 +53,7 @@ def kv_move_inputs(src: int, dst: int, arity: int) -> tuple[torch.Tensor, ...]:
     return padded([torch.tensor([src, dst], dtype=torch.int32)], arity)
 
 
-class NeuronHostError(Exception):
+class NeuronHostError(Eagle3Error):
     pass
 
 

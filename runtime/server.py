@@ -377,15 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-keep-alive", type=float, default=5.0,
                     help="seconds a connection may sit idle, or take to send a request's headers, before it is "
                          "closed (default 5)")
+    ap.add_argument("--debug", action="store_true", help="on an error, also print its traceback with the causes")
     add_trust_args(ap)
     args = ap.parse_args(argv)
     from .cli import set_threads
+    from .errors import enable_debug, print_cause
     from .tp import open_bundle, shutdown, stop_workers
 
     set_threads(args.threads)
     try:
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
     except BundleError as e:
+        if args.debug:
+            enable_debug()
+        print_cause(e)
         print(f"error: {e}", file=sys.stderr)
         return 2
     if bundle is None:  # a TP worker rank: the driver has finished

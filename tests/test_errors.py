@@ -184,3 +184,25 @@ def test_rebuild_replaces_bundle_atomically(pair, tmp_path):
         assert m1.models[name].weight_files == m2.models[name].weight_files
     assert [g.file for g in m1.graphs] == [g.file for g in m2.graphs]
     assert m1.digest == m2.digest != ""
+
+
+def test_errors_keep_their_cause_and_debug_shows_it(tmp_path):
+    """One line and exit 2 by default; --debug (or EAGLE3_DEBUG=1) adds the traceback with the chained cause,
+    for the builder and the runtime alike. Every refusal shares one base class."""
+    from eagle3_build.errors import UserError
+    from eagle3_build.recipe import RecipeError
+    from eagle3_runtime.engine import RequestError
+    from eagle3_runtime.errors import Eagle3Error
+    from eagle3_runtime.manifest import BundleError
+
+    assert all(issubclass(c, Eagle3Error) for c in (UserError, RecipeError, BundleError, RequestError))
+    bad = tmp_path / "bundle"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{")  # -> BundleError("not valid JSON") from the JSONDecodeError
+    for cmd in (["eagle3-build", "inspect", str(bad)], ["eagle3-run", str(bad), "--prompt", "hi"]):
+        plain = run_cli(*cmd)
+        assert plain.returncode == 2 and "not valid JSON" in plain.stderr and "Traceback" not in plain.stderr
+        debug_argv = [cmd[0], "--debug", *cmd[1:]] if cmd[0] == "eagle3-build" else [*cmd, "--debug"]
+        for r in (run_cli(*debug_argv), run_cli(*cmd, env={"EAGLE3_DEBUG": "1"})):
+            assert r.returncode == 2 and "Traceback" in r.stderr and "JSONDecodeError" in r.stderr, r.stderr
+            assert "error:" in r.stderr and "not valid JSON" in r.stderr

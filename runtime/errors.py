@@ -1,0 +1,33 @@
+"""The one base class of every refusal a user can act on (builder and runtime), and how CLIs report it.
+
+The message names the problem and the fix; CLIs print it as one line and exit 2 (HTTP: a 4xx). The cause
+is kept (`raise ... from e`): `--debug` (or EAGLE3_DEBUG=1) prints the chained traceback as well.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+DEBUG_ENV = "EAGLE3_DEBUG"
+
+
+class Eagle3Error(Exception):
+    """A refusal with the fix in its message."""
+
+
+def debug_enabled(flag: bool = False) -> bool:
+    return flag or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
+
+
+def enable_debug() -> None:
+    os.environ[DEBUG_ENV] = "1"
+
+
+def print_cause(exc: BaseException | None = None, file=None) -> None:
+    """With --debug / EAGLE3_DEBUG: the exception being handled (or `exc`) with its chained causes."""
+    if not debug_enabled():
+        return
+    exc = exc or sys.exc_info()[1]
+    if exc is not None:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=file or sys.stderr)
