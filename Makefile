@@ -9,7 +9,7 @@ $(BIN)/.installed: requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps -e ./eagle3_runtime -e .
 	touch $@
 
 setup: $(BIN)/.installed
@@ -53,7 +53,7 @@ $(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml
 	$(PY) -m venv $(NS_VENV)
 	$(NS_BIN)/pip install -q --upgrade pip
 	$(NS_BIN)/pip install -q -r requirements-neuron-stack.txt
-	$(NS_BIN)/pip install -q --no-deps -e .
+	$(NS_BIN)/pip install -q --no-deps -e ./eagle3_runtime -e .
 	touch $@
 
 test-neuron-stack: $(NS_BIN)/.installed

@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     root = args.out
     shutil.rmtree(root, ignore_errors=True)
@@ -74,9 +74,10 @@ def main() -> None:
 
     import random
 
-    from eagle3_runtime.bundle import read_manifest
     from spec_report import measure_runtime, measure_transformers
     from tokenizers import Tokenizer
+
+    from eagle3_runtime.reader import read_manifest
 
     tok = Tokenizer.from_file(str(root / "aoti-j2" / "tokenizer" / "tokenizer.json"))
     rng = random.Random(0)

@@ -54,7 +54,7 @@ def make_checkpoint(d: Path, gib: float) -> int:
 
 
 def layout(tp: int):
-    from eagle3_build.sharding import Layout
+    from eagle3_build.models.layout import Layout
 
     return Layout(tp=tp, hidden=H, padded_hidden=H, num_heads=16, num_kv_heads=4, head_dim=H // 16,
                   intermediate=I, vocab=V)
@@ -68,7 +68,7 @@ def rank_shapes(shapes: dict, L) -> dict:
 
 
 def run_streaming(src: Path, out: Path, tp: int) -> None:
-    from eagle3_build.checkpoints import safetensors_source
+    from eagle3_build.checkpoints.sources import safetensors_source
     from eagle3_build.sharding import write_rank_files
 
     shapes = json.loads((src / "meta.json").read_text())["shapes"]
@@ -91,7 +91,7 @@ def run_naive(src: Path, out: Path, tp: int) -> None:
 
 
 def child(mode: str, src: str, out: str, tp: int) -> None:
-    import eagle3_build.checkpoints  # noqa: F401  (imports are not part of the measurement)
+    import eagle3_build.checkpoints.load  # noqa: F401  (imports are not part of the measurement)
     import eagle3_build.sharding  # noqa: F401
 
     base = peak_rss()

@@ -91,8 +91,8 @@ def load_pair(recipe: Path, name: str | None, k: int | None, backend: str, bucke
 
 def build_k(pair, out: Path, cache_dir: Path | None, jobs: int | None) -> dict:
     """Build one bundle (through the compile cache); returns wall time and compiled/cached counts."""
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
 
     K = pair.speculation.num_speculative_tokens
 
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # transformers eager
     if "transformers" in phases:
-        from eagle3_runtime.bundle import read_manifest
+        from eagle3_runtime.reader import read_manifest
 
         dtypes = ([p.dtype] + (["float32"] if p.dtype != "float32" else [])) if args.hf_dtypes == "auto" \
             else [x.strip() for x in args.hf_dtypes.split(",") if x.strip()]

@@ -45,7 +45,7 @@ def _pairs(recipe: Path, pair: Optional[str]):
 
 
 def _with_backend(pairs, backend: Optional[str]):
-    from .backends import BACKENDS
+    from eagle3_runtime.manifest import BACKENDS
 
     if backend is None:
         return pairs
@@ -75,7 +75,7 @@ def compile_cmd(
                                      "verify settings); a failure exits 1"),
 ):
     """Build every pair of RECIPE into a bundle (graphs through the compile cache)."""
-    from .backends import preflight
+    from .backends.base import preflight
 
     pairs = _with_backend(_pairs(recipe, pair), backend)
     if out is not None and len(pairs) != 1:
@@ -88,9 +88,9 @@ def compile_cmd(
             preflight(p.backend)
     except UserError as e:
         fail(str(e))
-    from .bundle import build_bundle, check_out
-    from .cache import CompileCache
-    from .compiler import CompileFailed
+    from .build import build_bundle, check_out
+    from .compile.cache import CompileCache
+    from .compile.scheduler import CompileFailed
     from .progress import JsonReporter, RichReporter, emit
 
     cache = CompileCache(cache_dir)
@@ -197,8 +197,8 @@ def _parse_shard(text: str) -> tuple[int, int]:
 
 
 def _compile_shard(p, shard_ix, reporter, cache, jobs, as_json) -> bool:
-    from .bundle import compile_shard
-    from .compiler import CompileFailed
+    from .build import compile_shard
+    from .compile.scheduler import CompileFailed
     from .progress import emit
 
     t0 = time.perf_counter()
@@ -245,7 +245,7 @@ app.add_typer(cache_app, name="cache")
 
 
 def _cache(cache_dir: Optional[Path]):
-    from .cache import CompileCache
+    from .compile.cache import CompileCache
 
     return CompileCache(cache_dir)
 
@@ -311,8 +311,8 @@ def plan_cmd(
     """List every graph a recipe builds with shapes, cache hit/miss, estimated compile time and per-rank
     weight size — from configs only, no weights, no compile (for neuron: every NEFF with its exact
     neuronx-cc command; no SDK needed)."""
-    from .cache import CompileCache
-    from .planning import plan_pair
+    from .compile.cache import CompileCache
+    from .plan import plan_pair
 
     cache = CompileCache(cache_dir)
     result = []
@@ -364,7 +364,8 @@ def plan_cmd(
 def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                 as_json: bool = typer.Option(False, "--json")):
     """Summarise a bundle's manifest."""
-    from eagle3_runtime.bundle import BundleError, read_manifest
+    from eagle3_runtime.bundle import BundleError
+    from eagle3_runtime.reader import read_manifest
 
     try:
         m = read_manifest(bundle)
@@ -525,7 +526,7 @@ def make_tiny_pair_cmd(
     arch: str = typer.Option("llama", "--arch", help="llama | gpt-oss (the seed-003 twin)"),
 ):
     """Write a random tiny target (Llama or GPT-OSS), a tiny EAGLE3 draft and a recipe for them."""
-    from .tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, TARGET_FORMATS, make_tiny_pair
+    from .testing.tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, TARGET_FORMATS, make_tiny_pair
 
     if arch not in ARCHS:
         fail(f"--arch {arch!r}: choose one of {', '.join(ARCHS)}")

@@ -11,13 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from eagle3_runtime.bundle import read_manifest, verify_files
 from eagle3_runtime.manifest import MANIFEST, BundleError
-from eagle3_runtime.remote import resolve_bundle, remote_for
+from eagle3_runtime.reader import read_manifest, verify_files
+from eagle3_runtime.remote import remote_for, resolve_bundle
 from eagle3_runtime.trust import SIGNATURE, generate_key, pins, write_signature
 
-from .bundle import check_replaceable, replace_dir
-from .cache import owner_tag
+from .build import check_replaceable, replace_dir
+from .compile.cache import owner_tag
 from .errors import UserError
 
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .backends import unknown_option_message
+from eagle3_runtime.manifest import BACKENDS
+
 from .buckets import default_batch_buckets, default_prefill_buckets
 from .errors import UserError
 
@@ -37,8 +38,9 @@ __all__ = [
     "select_pair",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("export", "aoti", "neuron")
+# the backend_options each backend understands (checked here with the recipe line, and by get_backend)
+BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs"),
+                   "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags")}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 HF_RE = re.compile(r"hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?\Z")
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -142,7 +144,7 @@ class PairRecipe(_Frozen):
     serving: Serving
     parallel: Parallel
     buckets: Buckets
-    backend: Literal["export", "aoti", "neuron"]
+    backend: Literal[BACKENDS]  # type: ignore[valid-type]
     backend_options: dict[str, Any]
     verify: VerifySettings
 
@@ -201,7 +203,7 @@ class _RawPair(_Raw):
     serving: _RawServing
     parallel: _RawParallel = _RawParallel()
     buckets: _RawBuckets = _RawBuckets()
-    backend: Literal["export", "aoti", "neuron"] = "export"
+    backend: Literal[BACKENDS] = "export"  # type: ignore[valid-type]
     backend_options: dict[str, Any] = Field(default_factory=dict)
     verify: _RawVerify = _RawVerify()
 
@@ -589,6 +591,22 @@ def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
     if k is not None and isinstance(mal, (int, float)) and not isinstance(mal, bool) and mal > k + 1:
         add(("verify", "min_acceptance_length"),
             f"can never be reached: acceptance length is at most K+1 = {k + 1}, got {mal}")
+
+
+def unknown_option_message(name: str, key) -> str | None:
+    """Why `key` is not a backend_options key of backend `name` (None if it is one)."""
+    accepted = BACKEND_OPTIONS[name]
+    if key in accepted:
+        return None
+    takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
+    return f"unknown option {key!r} for backend {name} ({takes})"
+
+
+def check_backend_options(name: str, options: dict | None) -> None:
+    for key in options or {}:
+        message = unknown_option_message(name, key)
+        if message:
+            raise UserError(f"backend_options.{key}: {message}")
 
 
 def _check_backend_options(merged: dict, add: Callable[..., None]) -> None:

@@ -60,9 +60,9 @@ def tiny_bundles(tmp_path_factory) -> TinyBundles:
 def bundle(tmp_path_factory) -> Path:
     """The server tests' bundle (test_server.py, test_hostile_server.py): a tiny speculators pair, K 3,
     with two sequence slots (max_num_seqs 2, batch buckets [1, 2])."""
-    from eagle3_build.bundle import build_bundle
+    from eagle3_build.build import build_bundle
     from eagle3_build.recipe import load_recipe
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     root = tmp_path_factory.mktemp("server")
     recipe = make_tiny_pair(root / "pair", draft_format="speculators")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli
 from test_tp import torchrun
 
@@ -17,7 +16,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     root = tmp_path_factory.mktemp("aoti")
     recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)

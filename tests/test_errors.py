@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import run_cli
 from eagle3_build.cli import app
-from eagle3_build.tiny import make_tiny_pair
+from eagle3_build.testing.tiny import make_tiny_pair
 
 runner = CliRunner()
 
@@ -135,11 +135,11 @@ def test_recipe_error(pair, tmp_path, case):
 
 def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
     """A build that dies half-way (here: the 3rd graph fails) leaves no bundle and no temp dir."""
-    from eagle3_build import bundle as bundle_mod
+    from eagle3_build import build as build_mod
     from eagle3_build.backends import export
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
-    from eagle3_build.compiler import CompileFailed
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_build.compile.scheduler import CompileFailed
     from eagle3_build.recipe import load_recipe
 
     calls = {"n": 0}
@@ -164,14 +164,14 @@ def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
     def crash(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(bundle_mod, "write_rank_files", crash)
+    monkeypatch.setattr(build_mod, "write_rank_files", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         build_bundle(p, art / "b", cache=CompileCache(tmp_path / "cache"))
     assert list(art.iterdir()) == []
 
 
 def test_rebuild_replaces_bundle_atomically(pair, tmp_path):
-    from eagle3_build.bundle import build_bundle
+    from eagle3_build.build import build_bundle
     from eagle3_build.recipe import load_recipe
 
     p = load_recipe(pair / "recipe.yaml").pairs[0]

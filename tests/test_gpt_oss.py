@@ -39,7 +39,7 @@ def world(tmp_path_factory):
 
 
 def pair_dir(world, fmt: str) -> Path:
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     if fmt not in world["pairs"]:
         world["pairs"][fmt] = make_tiny_pair(world["root"] / fmt, arch="gpt-oss", target_format=fmt).parent
@@ -47,7 +47,7 @@ def pair_dir(world, fmt: str) -> Path:
 
 
 def bundle_for(world, fmt: str, tp: int, padded: bool, k: int) -> Path:
-    from eagle3_build.bundle import build_bundle
+    from eagle3_build.build import build_bundle
     from eagle3_build.recipe import load_recipe
 
     key = (fmt, tp, padded, k)
@@ -84,7 +84,8 @@ def hf_greedy(world, fmt: str, ids: list[int]) -> list[int]:
 
 
 def local_target(d: Path):
-    from eagle3_build.checkpoints import load_target, resolve
+    from eagle3_build.checkpoints.load import load_target
+    from eagle3_build.checkpoints.sources import resolve
     from eagle3_build.recipe import SourceSpec
 
     return load_target(resolve(SourceSpec(uri=str(d), kind="local", path=str(d)), "target"))
@@ -104,12 +105,8 @@ def mxfp4_from_spec(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def test_mxfp4_dequantization_is_transformers_exactly(tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from eagle3_build.checkpoints import (
-        mxfp4_dequantize,
-        mxfp4_source,
-        safetensors_source,
-    )
-    from eagle3_build.tiny import mxfp4_quantize
+    from eagle3_build.checkpoints.sources import mxfp4_dequantize, mxfp4_source, safetensors_source
+    from eagle3_build.testing.tiny import mxfp4_quantize
 
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=g, dtype=torch.uint8)
@@ -133,7 +130,7 @@ def test_mxfp4_dequantization_is_transformers_exactly(tmp_path):
 
 def test_mxfp4_checkpoint_reads_as_the_bf16_one(world, tmp_path):
     """Same seed and hidden (96): the MXFP4 twin's dequantized experts are its BF16 twin's, bit for bit."""
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     bf16 = make_tiny_pair(tmp_path / "bf16", arch="gpt-oss", hidden_size=96).parent
     t_bf, t_mx = (local_target(d / "target") for d in (bf16, pair_dir(world, "mxfp4")))
@@ -282,7 +279,7 @@ def test_120b_weight_bytes_per_rank():
 
 
 def test_120b_recipe_graphs():
-    from eagle3_build.bundle import graph_plan
+    from eagle3_build.build import graph_plan
     from eagle3_build.recipe import load_recipe
 
     (p,) = load_recipe(HERE.parent / "recipes" / "gpt-oss-120b-eagle3.yaml").pairs

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 from test_cache import compile_json
 
@@ -120,7 +119,7 @@ def test_out_onto_user_data_or_protected_paths_is_refused_before_any_work(world,
 
 
 def test_out_onto_checkpoints_home_or_cache_is_refused(world, tmp_path, monkeypatch):
-    from eagle3_build.bundle import check_out
+    from eagle3_build.build import check_out
     from eagle3_build.errors import UserError
     from eagle3_build.recipe import load_recipe
 
@@ -216,8 +215,8 @@ def dead_pid() -> int:
 
 
 def test_only_killed_builds_leftovers_are_removed(tmp_path):
-    from eagle3_build.bundle import clean_leftovers
-    from eagle3_build.cache import HOST, CompileCache
+    from eagle3_build.build import clean_leftovers
+    from eagle3_build.compile.cache import HOST, CompileCache
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another build, running
     try:
@@ -252,8 +251,8 @@ def test_only_killed_builds_leftovers_are_removed(tmp_path):
 def test_death_between_the_two_renames_is_recovered(world, tmp_path, monkeypatch):
     """Where the filesystem cannot swap directories, the old bundle is out of place between two renames:
     a build killed there has it put back by the next build (and a whole replace leaves nothing behind)."""
-    from eagle3_build import bundle
-    from eagle3_build.cache import HOST
+    from eagle3_build import build
+    from eagle3_build.compile.cache import HOST
 
     def no_exchange(a, b):
         raise OSError(22, "not supported here")
@@ -263,12 +262,12 @@ def test_death_between_the_two_renames_is_recovered(world, tmp_path, monkeypatch
     out = old_bundle(world, parent / "b")
     new = parent / ".b.tmp-new"
     shutil.copytree(world["ref"], new)
-    bundle.replace_dir(new, out)
+    build.replace_dir(new, out)
     assert created_at(out) != "old" and sorted(p.name for p in parent.iterdir()) == ["b"]
 
     dead = dead_pid()  # killed after `b -> .b.old-…`, before `.b.tmp-… -> b`
     shutil.rmtree(out)
     old_bundle(world, parent / f".b.old-{dead}-{HOST}")
     shutil.copytree(world["ref"], parent / f".b.tmp-{dead}-{HOST}-abcd1234")
-    bundle.clean_leftovers(parent, time.time() + 1)
+    build.clean_leftovers(parent, time.time() + 1)
     assert sorted(p.name for p in parent.iterdir()) == ["b"] and created_at(out) == "old"

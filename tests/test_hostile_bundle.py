@@ -15,13 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import run_cli
 from test_server import ServerProc
 
-from eagle3_runtime.bundle import BundleError, Bundle, read_manifest
+from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.compat import check_bundle
 from eagle3_runtime.manifest import sha256_file
+from eagle3_runtime.reader import read_manifest
 from eagle3_runtime.safe_pt2 import UnsafeArchive, check_archive
 
 

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
-from eagle3_build.backends import get_backend
-from eagle3_build.checkpoints import load_draft, load_target, resolve
+
+from eagle3_build.backends.registry import get_backend
+from eagle3_build.checkpoints.load import load_draft, load_target
+from eagle3_build.checkpoints.sources import resolve
 from eagle3_build.errors import CheckpointError, UserError
 from eagle3_build.recipe import MAX_RECIPE_BYTES, MAX_YAML_NODES, RecipeError, load_recipe
-from eagle3_build.tiny import make_tiny_pair
+from eagle3_build.testing.tiny import make_tiny_pair
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import types
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from eagle3_build.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ ROLE_DEFAULTS = {"target_prefill": CONTEXT, "draft_prefill": CONTEXT, "target_ve
 
 
 def test_missing_sdk_fails_fast_without_loading_anything(tmp_path):
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     recipe = make_tiny_pair(tmp_path / "pair")
     art = tmp_path / "artifacts"
@@ -142,7 +142,7 @@ def test_host_checks_name_the_fix():
 def test_pypi_placeholder_sdk_is_refused_in_one_line(tmp_path):
     """PyPI's torch-neuronx is a 'WRONG PACKAGE' placeholder: find_spec finds it, importing it raises.
     The build refuses it as not installed, naming the Neuron pip repository, before touching torch."""
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     site = tmp_path / "site"
     (site / "torch_neuronx").mkdir(parents=True)

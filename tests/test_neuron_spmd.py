@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import run_cli
 from neuron_standin import StandInModelBuilder, StandInNeuronx, install, standin_sdk  # noqa: F401 (fixture)
+from safetensors.torch import load_file
 
 
 def hf_greedy(target_dir, ids: list[int], n: int) -> list[int]:
@@ -33,7 +32,7 @@ MAX_TOKENS = [20, 6, 13]  # different lengths: rows finish early and the last ro
 
 def neuron_pair(tmp_path, tp, arch="llama", options=None):
     from eagle3_build.recipe import load_recipe
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp, arch=arch)).pairs[0]
     return pair.model_copy(update={
@@ -61,8 +60,8 @@ def serve_batch(bundle, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> tuple[list[li
 
 @pytest.mark.parametrize("tp,arch", [(1, "llama"), (2, "llama"), (4, "llama"), (2, "gpt-oss")])
 def test_spmd_bundle_decodes_like_transformers(standin_sdk, tmp_path, tp, arch):
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
     from eagle3_runtime.bundle import Bundle
 
     pair = neuron_pair(tmp_path, tp, arch)
@@ -110,8 +109,8 @@ def test_spmd_bundle_decodes_like_transformers(standin_sdk, tmp_path, tp, arch):
 
 def test_torchrun_is_refused_with_the_command(standin_sdk, tmp_path):
     """Failure 4 for the new design: a neuron bundle never runs under torchrun (one process owns the cores)."""
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
 
     out = tmp_path / "bundle"
     build_bundle(neuron_pair(tmp_path, 2), out, cache=CompileCache(tmp_path / "cache"))
@@ -127,11 +126,11 @@ def test_torchrun_is_refused_with_the_command(standin_sdk, tmp_path):
 
 def old_design_graph(tmp_path, tp):
     """One graph (target_decode b1) as the replaced design exported it."""
-    from eagle3_build.bundle import build_models, load_pair, tracing_process_group, trace_graphs
-    from eagle3_build.cache import CompileCache
-    from eagle3_build.graphs import GraphSpec
-
     from eagle3_build.backends import export
+    from eagle3_build.build import build_models, load_pair, trace_graphs
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_build.compile.tracing import tracing_process_group
+    from eagle3_build.graphs import GraphSpec
 
     pair = neuron_pair(tmp_path, tp).model_copy(update={"backend": "export"})
     bm = build_models(load_pair(pair))
@@ -150,7 +149,7 @@ def test_standin_catches_the_old_design(monkeypatch, tmp_path, check, tp, needle
 
     install(monkeypatch, StandInNeuronx(strict={check}))
     ep = old_design_graph(tmp_path, tp)
-    from eagle3_build.bundle import tracing_process_group
+    from eagle3_build.compile.tracing import tracing_process_group
 
     with tracing_process_group(tp), pytest.raises(ValueError, match=needle):
         compile_old(ep, tmp_path / "work")
@@ -183,11 +182,10 @@ def test_standin_catches_a_rank_read_from_an_input(standin_sdk, tmp_path, monkey
     """Failure 5: SPMD sends the same inputs to every rank, so a rank taken from an input is rank 0
     everywhere; the simulated TP 2 run then decodes wrong, while the rank weight decodes right."""
     from eagle3_build.backends import neuron
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
-    from eagle3_runtime.bundle import Bundle
-
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
     from eagle3_build.models.llama import KVCache
+    from eagle3_runtime.bundle import Bundle
 
     real_run = neuron.NeuronKey.run
 
@@ -257,17 +255,17 @@ def test_standin_refuses_what_nxd_refuses(standin_sdk, tmp_path):
 
 
 def test_plan_knows_the_built_models_and_refuses_ambiguous_routes(standin_sdk, tmp_path):
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
     from eagle3_build.errors import UserError
-    from eagle3_build.planning import plan_pair
+    from eagle3_build.plan import plan_pair
 
     pair, cache = neuron_pair(tmp_path, 1), CompileCache(tmp_path / "cache")
     assert {b["cache"] for b in plan_pair(pair, cache).builders} == {"miss"}
     build_bundle(pair, tmp_path / "bundle", cache=cache)
     plan = plan_pair(pair, cache)
     assert {b["cache"] for b in plan.builders} == {"hit"}
-    sizes = [f.size for f in __import__("eagle3_runtime.bundle").bundle.read_manifest(tmp_path / "bundle")
+    sizes = [f.size for f in __import__("eagle3_runtime.reader").reader.read_manifest(tmp_path / "bundle")
              .models["target"].weight_files]
     assert abs(plan.builders[0]["shard_files"][0]["bytes"] - sizes[0]) < 16 << 10  # (file header aside)
     # a prefill bucket of K + 1 tokens has the draft catch-up's input shapes at batch 1: NxD could not route it
@@ -279,9 +277,9 @@ def test_plan_knows_the_built_models_and_refuses_ambiguous_routes(standin_sdk, t
 
 
 def test_a_failed_model_build_is_one_compile_failure(standin_sdk, tmp_path, monkeypatch):
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.cache import CompileCache
-    from eagle3_build.compiler import CompileFailed
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_build.compile.scheduler import CompileFailed
 
     def broken(self, **kw):
         raise RuntimeError("neuronx-cc: internal compiler error (injected)")

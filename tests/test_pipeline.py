@@ -7,7 +7,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import run_cli
 from test_cache import compile_json, statuses
 from test_server import ServerProc
@@ -15,7 +14,7 @@ from test_server import ServerProc
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     root = tmp_path_factory.mktemp("pipeline")
     recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)

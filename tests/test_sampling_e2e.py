@@ -254,11 +254,10 @@ def _fmt(res) -> str:
 def pair(tmp_path_factory):
     """Writes the target, the two drafts and a recipe; builds one bundle per draft; returns
     {"engines": {name: Engine}, "exact": [P(x1), P(x2), P(x3)]}."""
+    from eagle3_build.build import build_bundle
+    from eagle3_build.recipe import load_recipe
     from eagle3_runtime.bundle import Bundle
     from eagle3_runtime.engine import Engine
-
-    from eagle3_build.bundle import build_bundle
-    from eagle3_build.recipe import load_recipe
 
     t0 = time.perf_counter()
     root = tmp_path_factory.mktemp("e2e_sampling")

@@ -238,7 +238,7 @@ def test_queue_full_503(bundle):
 def test_tp2_server_under_torchrun(bundle, server):
     """A TP-2 bundle served by torchrun (rank 0 serves HTTP, rank 1 follows): concurrent requests,
     one finishing early so the other's KV row moves (a broadcast row copy), match TP 1 solo greedy."""
-    from eagle3_build.bundle import build_bundle
+    from eagle3_build.build import build_bundle
     from eagle3_build.recipe import load_recipe
 
     pair = load_recipe(bundle.parent / "pair" / "recipe.yaml").pairs[0]

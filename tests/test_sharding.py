@@ -6,9 +6,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_build.errors import UserError
+from eagle3_build.models.layout import Layout
 from eagle3_build.models.llama import RMSNorm
-from eagle3_build.sharding import (Layout, StreamingSafetensorsWriter, check_tp, kv_heads_for_rank, pad_chunks,
-                                   pad_dim, shard_even, shard_kv, shard_vocab, tensor_plan, unpad_chunks, unpad_dim,
+from eagle3_build.sharding import (StreamingSafetensorsWriter, check_tp, kv_heads_for_rank, pad_chunks, pad_dim,
+                                   shard_even, shard_kv, shard_vocab, tensor_plan, unpad_chunks, unpad_dim,
                                    valid_tp_degrees)
 
 Hu, Hp = 90, 96
@@ -158,7 +159,7 @@ def test_row_parallel_bias_divided_by_tp():
 # ------------------------------------------------------------------ GPT-OSS experts
 
 def test_padded_intermediate_follows_the_hidden_when_equal():
-    from eagle3_build.sharding import padded_intermediate_size
+    from eagle3_build.models.layout import padded_intermediate_size
 
     assert padded_intermediate_size(2880, 2880, 3072, 16) == 3072  # GPT-OSS: 192 per rank
     assert padded_intermediate_size(2880, 2880, 2880, 16) == 2880
@@ -247,7 +248,7 @@ def test_streaming_writer_accepts_expert_slabs(tmp_path):
 def test_experts_stream_one_at_a_time(tmp_path):
     """write_rank_files reads a stacked expert tensor expert by expert (never whole) and writes the same
     per-rank files as sharding the whole tensor."""
-    from eagle3_build.checkpoints import TensorSource
+    from eagle3_build.checkpoints.sources import TensorSource
     from eagle3_build.sharding import write_rank_files
 
     E, I = 4, 90

@@ -3,7 +3,8 @@ import json
 import shutil
 
 from conftest import run_cli
-from eagle3_build.tiny import make_tiny_pair
+
+from eagle3_build.testing.tiny import make_tiny_pair
 
 COMMIT_T = "1" * 40
 COMMIT_D = "2" * 40

@@ -4,7 +4,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_cli
 
 PROMPTS = [
@@ -95,7 +94,7 @@ def test_prompt_tokenized_like_hf(tiny_bundles):
 
 
 def test_manifest_contents(tiny_bundles):
-    from eagle3_runtime.bundle import read_manifest
+    from eagle3_runtime.reader import read_manifest
 
     _, bundle_dir = tiny_bundles.get("specforge", 3)
     m = read_manifest(bundle_dir)

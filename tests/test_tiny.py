@@ -18,8 +18,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eagle3_build import tiny
-from eagle3_build.tiny import DRAFT_FORMATS, make_tiny_pair
+from eagle3_build.testing import tiny
+from eagle3_build.testing.tiny import DRAFT_FORMATS, make_tiny_pair
 
 H, V, VD, NL = 64, 512, 256, 8
 # an "awkward" hidden size, as GPT-OSS (hidden 2880 padded to 3072, q width 4096 != hidden): q width

@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from eagle3_build import tiny
-from eagle3_build.tiny import make_tiny_pair, write_gguf
+from eagle3_build.testing import tiny
+from eagle3_build.testing.gguf import write_gguf
+from eagle3_build.testing.tiny import make_tiny_pair
 
 H, V, NL, NH, NKV, HD = 64, 512, 8, 4, 2, 16
 PROMPTS = [

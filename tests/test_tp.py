@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import run_cli
+from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
 HIDDEN, PADDED = 92, 96
@@ -31,7 +30,7 @@ def torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def tp_world(tmp_path_factory):
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     root = tmp_path_factory.mktemp("tp")
     recipe = make_tiny_pair(root / "pair", draft_format="speculators", hidden_size=HIDDEN)
@@ -39,7 +38,7 @@ def tp_world(tmp_path_factory):
 
 
 def bundle_for(world, tp: int, padded: bool) -> Path:
-    from eagle3_build.bundle import build_bundle
+    from eagle3_build.build import build_bundle
     from eagle3_build.recipe import load_recipe
 
     key = (tp, padded)
@@ -107,7 +106,7 @@ def test_world_size_mismatch_is_refused(tp_world):
 
 
 def test_tp_not_dividing_heads_is_refused(tp_world, tmp_path):
-    from eagle3_build.bundle import build_bundle
+    from eagle3_build.build import build_bundle
     from eagle3_build.errors import UserError
     from eagle3_build.recipe import load_recipe
 

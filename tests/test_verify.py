@@ -75,7 +75,7 @@ class Pairs:
     """One sensitive tiny pair; a bundle per fault, built (and verified) at most once per module."""
 
     def __init__(self, root):
-        from eagle3_build.tiny import make_tiny_pair
+        from eagle3_build.testing.tiny import make_tiny_pair
 
         self.root = root
         make_tiny_pair(root / "pair", sensitive_draft=True)
@@ -102,7 +102,7 @@ class Pairs:
 
     def bundle(self, fault: str):
         if fault not in self.bundles:
-            from eagle3_build.bundle import build_bundle
+            from eagle3_build.build import build_bundle
             from eagle3_build.recipe import load_recipe
 
             recipe = self.write(fault)
@@ -217,15 +217,8 @@ def test_lossless_mismatch_is_located(pairs, tmp_path):
 
 def test_near_tie_tolerance():
     """A flip between two logits closer than the dtype's tolerance passes; a clear one does not."""
+    from eagle3_build.verify import VerifyReport, _check_continuation, _compare, _Ref, near_tie_tolerance
     from eagle3_runtime.engine import SpecStats
-
-    from eagle3_build.verify import (
-        VerifyReport,
-        _check_continuation,
-        _compare,
-        _Ref,
-        near_tie_tolerance,
-    )
 
     logits = torch.zeros(3, 8)
     logits[:, 1] = 10.0
@@ -364,10 +357,10 @@ def test_bad_input_is_refused(pairs, tmp_path):
 
 def test_run_verify_skips_what_it_cannot_run(pairs, tmp_path):
     """compile's hook: TP bundles and verify.num_prompts 0 are skipped (True), with a note."""
-    from eagle3_runtime.manifest import MANIFEST
     from rich.console import Console
 
     from eagle3_build.verify import run_verify
+    from eagle3_runtime.manifest import MANIFEST
 
     b = tmp_path / "b"
     b.mkdir()

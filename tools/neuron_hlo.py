@@ -5,7 +5,7 @@
 Dev tool, NOT part of the product or of `make test`: runs in .venv-xla (torch 2.9 + torch-xla 2.9 +
 transformers 4.57, the Neuron SDK's stack). It makes the tiny Llama pair and the GPT-OSS twin with
 tp_degree 2 (eagle3_build.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
-build_models, backend neuron) and runs the product's own SPMD path: bundle._write_spmd_bundle builds each
+build_models, backend neuron) and runs the product's own SPMD path: build._write_spmd_bundle builds each
 model's ModelGraphs and calls NeuronBackend.compile_model, unchanged. Only the SDK is replaced:
 
 * `neuronx_distributed.parallel_layers.mappings` is tools/hlo_check.py's NxD mappings shim for tp 2
@@ -31,7 +31,6 @@ Report: benchmarks/results/neuron-hlo.json; NEURON_HLO_DUMP=DIR also writes each
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import json
 import os
@@ -59,13 +58,8 @@ os.environ.setdefault("XLA_HLO_DEBUG", "1")
 
 
 def _import_paths() -> None:
-    """eagle3_build from the repo, hlo_check from tools/, eagle3_runtime = runtime/ (what pyproject maps)
-    through a temp dir holding the symlink eagle3_runtime -> runtime/."""
+    """eagle3_build and eagle3_runtime from the repo, hlo_check from tools/."""
     sys.path[:0] = [str(REPO / "tools"), str(REPO)]
-    d = tempfile.mkdtemp(prefix="neuron_hlo_path_")
-    os.symlink(REPO / "runtime", Path(d) / "eagle3_runtime")
-    sys.path.insert(0, d)
-    atexit.register(shutil.rmtree, d, True)
 
 
 _import_paths()
@@ -73,7 +67,6 @@ _import_paths()
 import hlo_check  # noqa: E402  (imports torch_xla; PJRT_DEVICE first)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-
 
 # ------------------------------------------------------------------ the stand-in SDK modules
 
@@ -324,11 +317,11 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
 # ------------------------------------------------------------------ one pair
 
 def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
-    from eagle3_build import bundle
+    from eagle3_build import build
     from eagle3_build.backends import neuron
-    from eagle3_build.cache import CompileCache
+    from eagle3_build.compile.cache import CompileCache
     from eagle3_build.recipe import load_recipe
-    from eagle3_build.tiny import make_tiny_pair
+    from eagle3_build.testing.tiny import make_tiny_pair
 
     class HloBackend(neuron.NeuronBackend):
         """The real backend; compile_model is the product's, run against the recording ModelBuilder."""
@@ -349,11 +342,11 @@ def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
         with mock.patch.object(neuron, "sdk_versions",
                                lambda: {dist: "hlo-check" for dist in neuron.NEURON_SDK.values()}):
             backend = HloBackend(pair.backend_options)
-        lp = bundle.load_pair(pair)
-        bm = bundle.build_models(lp)
+        lp = build.load_pair(pair)
+        bm = build.build_models(lp)
         root = work / label / "bundle"
         (root / "graphs").mkdir(parents=True)
-        bundle._write_spmd_bundle(bm, root, backend, CompileCache(work / label / "cache"), lambda ev: None,
+        build._write_spmd_bundle(bm, root, backend, CompileCache(work / label / "cache"), lambda ev: None,
                                   False, time.perf_counter())
         info["bundle"] = "written"
     except Exception as e:  # noqa: BLE001 - reported, the graphs lowered so far still count

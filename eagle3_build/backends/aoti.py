@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from ..cache import atomic_write
 from ..errors import UserError
-from . import check_backend_options
+from ..files import atomic_write
+from ..recipe import check_backend_options
 from .pt2 import set_serialization_id
 
 NAME = "aoti"

@@ -50,7 +50,8 @@ from eagle3_runtime.neuron import KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, kv_mov
 from ..errors import UserError
 from ..graphs import ROLE_MODULES, GraphSpec
 from ..models.llama import KVCache
-from . import NEURON_SDK, check_backend_options, preflight
+from ..recipe import check_backend_options
+from .base import NEURON_SDK, preflight
 
 NAME = "neuron"
 SUFFIX = ".pt"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..sharding import Layout
+from .layout import Layout
 from .linear import Linear
 from .llama import MLP, Attention, Comm, KVCache, RMSNorm, Rope, VocabEmbedding, vocab_parallel_logits
 

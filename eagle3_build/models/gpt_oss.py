@@ -30,17 +30,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..sharding import Layout
+from .layout import Layout
 from .linear import Linear
-from .llama import (
-    Comm,
-    DecoderStack,
-    RMSNorm,
-    apply_rope,
-    dtype_bytes,
-    llama_layout,
-    rope_params,
-)
+from .llama import Comm, DecoderStack, RMSNorm, apply_rope, dtype_bytes, llama_layout, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

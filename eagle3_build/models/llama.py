@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from ..sharding import Layout
+from .layout import Layout
 from .linear import Linear, linear
 
 

@@ -4,7 +4,7 @@
                                                  miss       -> compile job -> cache entry
 
 With `jobs == 1` a miss compiles in this process. With `jobs > 1` misses go to at most `jobs`
-long-lived worker processes (`python -m eagle3_build.compiler --serve`, one graph at a time each, its
+long-lived worker processes (`python -m eagle3_build.compile.worker --serve`, one graph at a time each, its
 log captured next to it), so torch/Inductor start-up is paid once per worker while one graph's crash
 (segfault, OOM kill) still takes down only that graph. A graph whose worker dies is retried once on a
 fresh worker; a compile error is not (it would fail the same way). Failures are recorded in the cache
@@ -345,7 +345,7 @@ class _Task:
 
 
 class _Lane:
-    """A long-lived worker process (`python -m eagle3_build.compiler --serve`) that compiles the
+    """A long-lived worker process (`python -m eagle3_build.compile.worker --serve`) that compiles the
     graphs it is handed one at a time, so torch/Inductor start-up is paid once per lane, not once per
     graph. Protocol: the staging dir's path on its stdin; `done <rc>` on its stdout when that graph
     is finished (0 compiled, COMPILE_ERROR_EXIT compile raised). A lane whose process dies takes only
@@ -356,7 +356,7 @@ class _Lane:
 
     @classmethod
     def start(cls, backend: str) -> _Lane:
-        cmd = [sys.executable, "-m", "eagle3_build.compiler", "--serve", backend, str(os.getpid())]
+        cmd = [sys.executable, "-m", "eagle3_build.compile.worker", "--serve", backend, str(os.getpid())]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         return cls(proc)
 
@@ -393,98 +393,3 @@ class _Lane:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
-
-
-# ------------------------------------------------------------------ worker entry point
-
-def run_task(staging: Path, backends: dict) -> int:
-    """Compile the graph staged in `staging` (task.json, input.pt2); 0 or COMPILE_ERROR_EXIT."""
-    task = json.loads((staging / "task.json").read_text())
-    print(f"compiling {task['graph']} (key {task['key'][:16]}…) with backend {task['backend']}", flush=True)
-    if task.get("inject") == "crash":
-        print("injected crash", flush=True)
-        os._exit(70)
-    try:
-        import torch
-
-        from .backends import get_backend
-        from .bundle import tracing_process_group
-
-        torch.set_num_threads(1)
-        ident = json.dumps([task["backend"], task["backend_options"], task["cache_root"]], sort_keys=True)
-        if ident not in backends:
-            backend = backends[ident] = get_backend(task["backend"], task["backend_options"])
-            if hasattr(backend, "prepare"):
-                backend.prepare(Path(task["cache_root"]))
-        backend = backends[ident]
-        with tracing_process_group(task["tp"]):
-            ep = torch.export.load(staging / "input.pt2")
-            if task.get("inject"):
-                raise RuntimeError(f"injected failure ({INJECT_ENV})")
-            info = backend.compile_exported(ep, staging / "out" / f"graph{task['suffix']}", task["key"], task["role"])
-    except Exception as e:
-        traceback.print_exc()
-        (staging / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        return COMPILE_ERROR_EXIT
-    (staging / "input.pt2").unlink(missing_ok=True)
-    (staging / "result.json").write_text(json.dumps({"info": info}))
-    print("done", flush=True)
-    return 0
-
-
-def die_with_parent(parent: int) -> None:
-    """Linux: this process is killed when the build that started it dies (even by kill -9), rather than
-    compiling on for nobody into a staging directory that the next build removes."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux
-        return
-    if os.getppid() != parent:  # the build died before that took effect
-        os._exit(1)
-
-
-def serve(backend: str) -> int:
-    """Worker loop: one staging dir per stdin line; the graph's output (ours, Inductor's, g++'s) goes
-    to its compile.log; `done <rc>` goes back on the original stdout. Imports first, while the build
-    is still tracing."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    idle = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(idle, 1)
-    os.dup2(idle, 2)
-    try:
-        import importlib
-
-        from . import bundle  # noqa: F401  (torch, models)
-
-        module = importlib.import_module(f"{__package__}.backends.{backend}")
-        if hasattr(module, "warm_up"):
-            module.warm_up()
-    except Exception:  # reported by the first task that needs it
-        pass
-    backends: dict = {}
-    for line in sys.stdin:
-        staging = Path(line.strip())
-        with open(staging / "compile.log", "ab") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            try:
-                rc = run_task(staging, backends)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(idle, 1)
-                os.dup2(idle, 2)
-        proto.write(f"done {rc}\n")
-        proto.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    die_with_parent(int(sys.argv[3]))
-    rc = serve(sys.argv[2])  # (python -m eagle3_build.compiler --serve BACKEND PARENT_PID)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)  # Inductor's compile-worker pool can keep a normal interpreter exit waiting

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .bundle import DTYPES, Bundle, BundleError, Graph, read_manifest
+from .bundle import DTYPES, Bundle, BundleError, Graph
 from .manifest import Manifest
+from .reader import read_manifest
 
 STOP = -1
 COPY_ROW = -2

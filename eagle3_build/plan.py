@@ -19,13 +19,13 @@ import torch
 
 from eagle3_runtime.manifest import ROLE_MODEL
 
-from .bundle import DTYPES, LoadedPair, build_models, graph_plan, load_pair, tokens_per_call, trace_graphs
-from .cache import CompileCache
-from .checkpoints import (TARGET_ARGS, ResolvedSource, TargetCheckpoint, TensorSource, draft_checkpoint,
-                          read_config)
-from .compiler import default_jobs, static_estimate
+from .build import DTYPES, LoadedPair, build_models, graph_plan, load_pair, tokens_per_call, trace_graphs
+from .checkpoints.load import TARGET_ARGS, TargetCheckpoint, draft_checkpoint, read_config
+from .checkpoints.pair import build_draft, build_target
+from .checkpoints.sources import ResolvedSource, TensorSource
+from .compile.cache import CompileCache
+from .compile.scheduler import default_jobs, static_estimate
 from .errors import UserError
-from .pair import build_draft, build_target
 from .recipe import PairRecipe
 
 KNOWN = Path(__file__).resolve().parent / "known_configs"
@@ -130,7 +130,8 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------ plan
 
 def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> PairPlan:
-    from .backends import get_backend, preflight
+    from .backends.base import preflight
+    from .backends.registry import get_backend
 
     exact = pair.target.kind != "hf" and pair.draft.kind != "hf"
     notes = []
@@ -157,7 +158,7 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     traced = {}
     spmd = pair.backend == "neuron"
     if backend is not None and exact and keys and not spmd:
-        from .bundle import tracing_process_group
+        from .compile.tracing import tracing_process_group
 
         with tracing_process_group(pair.parallel.tp_degree):
             traced = {tg.spec.name: tg for tg in trace_graphs(bm, backend, cache)}
@@ -204,7 +205,7 @@ def _builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:
     """Neuron: what each model's ModelBuilder gets — keys (roles + kv_move) with their buckets, the
     priority bucket, flags, the NEFFs — and the per-rank NxD checkpoint files it is served with."""
     from .backends.neuron import KV_MOVE, PRIORITY_ROLE, compiler_args, shard_file
-    from .bundle import spmd_models
+    from .build import spmd_models
 
     out = []
     tp = bm.lp.pair.parallel.tp_degree

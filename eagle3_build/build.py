@@ -28,22 +28,22 @@ from typing import Callable, Iterable
 
 import torch
 
-from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry,
-                                     TensorSpec, file_entry)
+from eagle3_runtime.manifest import MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry, TensorSpec, file_entry
 
 from . import __version__
-from .backends import get_backend
+from .backends.registry import get_backend
 from .buckets import kv_cache_length
-from .cache import CompileCache, graph_key, owner_tag, stale, trace_key
-from .checkpoints import (DraftCheckpoint, TargetCheckpoint, load_draft, load_target, resolve)
-from .compiler import (CompileFailed, GraphJob, GraphResult, Scheduler, default_jobs, split_shard,
-                       static_estimate)
+from .checkpoints.load import DraftCheckpoint, TargetCheckpoint, load_draft, load_target
+from .checkpoints.pair import build_draft, build_target, check_pair, check_target
+from .checkpoints.sources import resolve
+from .compile.cache import CompileCache, graph_key, owner_tag, stale, trace_key
+from .compile.scheduler import (CompileFailed, GraphJob, GraphResult, Scheduler, default_jobs, split_shard,
+                                static_estimate)
+from .compile.tracing import tracing_process_group
 from .errors import UserError
-from .graphs import OUTPUT_NAMES, GraphSpec, build_graph_module, plan_graphs, step_inputs
-from .graphs import model_weight_names
+from .graphs import OUTPUT_NAMES, GraphSpec, build_graph_module, model_weight_names, plan_graphs, step_inputs
 from .models.eagle3 import draft_layout
 from .models.llama import llama_layout
-from .pair import build_draft, build_target, check_pair, check_target
 from .recipe import PairRecipe
 from .sharding import check_tp, tensor_plan, write_rank_files
 
@@ -606,25 +606,6 @@ def _output_specs(spec: GraphSpec, inputs: list[TensorSpec], bm: BuildModels) ->
     with tracing_process_group(pair.parallel.tp_degree):
         outs = output_specs(module, (weights, kv, *example))
     return [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, (sh, x) in zip(OUTPUT_NAMES[spec.role], outs)]
-
-
-@contextlib.contextmanager
-def tracing_process_group(tp: int):
-    """A fake world of `tp` ranks so in-graph collectives trace with the right shapes; nothing runs."""
-    if tp == 1:
-        yield
-        return
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise UserError("a torch.distributed process group is already initialised in the build process; "
-                        "run eagle3-build compile as a plain process (not under torchrun)")
-    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def toolchain(backend) -> dict[str, str]:

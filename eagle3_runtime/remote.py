@@ -152,7 +152,7 @@ def resolve_bundle(ref: str | os.PathLike, pins: Pins = Pins(), trust_remote_cod
 
 def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code: bool = False) -> None:
     """Every file present and matching, the user's pins, and for native-code graphs an explicit pin."""
-    from .bundle import bundle_file, read_manifest, verify_files
+    from .reader import bundle_file, read_manifest, verify_files
 
     try:
         m = read_manifest(root, pins)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoints import DraftCheckpoint, TargetCheckpoint
-from .errors import PairError
-from .models.eagle3 import Eagle3Draft
-from .models.gpt_oss import GptOss, GptOssArgs
-from .models.llama import Llama
+from ..errors import PairError
+from ..models.eagle3 import Eagle3Draft
+from ..models.gpt_oss import GptOss, GptOssArgs
+from ..models.llama import Llama
+from .load import DraftCheckpoint, TargetCheckpoint
 
 
 def meta_shapes(model: torch.nn.Module) -> dict[str, list[int]]:

@@ -24,6 +24,7 @@ PREFILL_ROLES = ("target_prefill", "draft_prefill")
 BATCH_ROLES = ("target_verify", "target_decode", "draft_catchup", "draft_step")
 ROLE_MODEL = {"target_prefill": "target", "target_verify": "target", "target_decode": "target",
               "draft_prefill": "draft", "draft_catchup": "draft", "draft_step": "draft"}
+BACKENDS = ("export", "aoti", "neuron")
 NATIVE_CODE_BACKENDS = ("aoti", "neuron")  # their graph files are machine code: trust them only by a pin
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "bool")  # torch names without "torch."
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}

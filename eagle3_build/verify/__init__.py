@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from eagle3_runtime.engine import SpecStats
 
-from .errors import UserError
+from ..errors import UserError
 
 __all__ = [
     "BUILTIN_PROMPTS",
@@ -377,7 +378,8 @@ def skip_reason(manifest) -> str | None:
 
 
 def _read_manifest(bundle_dir: Path):
-    from eagle3_runtime.bundle import BundleError, read_manifest
+    from eagle3_runtime.bundle import BundleError
+    from eagle3_runtime.reader import read_manifest
 
     if not bundle_dir.is_dir():
         raise VerifyError(f"{bundle_dir}: no such bundle directory")
@@ -399,8 +401,8 @@ def _target_location(manifest, target_source: str | Path | None) -> tuple[Path, 
         if p.is_dir() and (p / "config.json").exists():
             return p, None, str(p)
         raise VerifyError(f"--target {target_source}: not a checkpoint directory with config.json nor a .gguf file")
-    from .checkpoints import resolve
-    from .recipe import SourceSpec
+    from ..checkpoints.sources import resolve
+    from ..recipe import SourceSpec
 
     raw = dict(manifest.recipe.get("target") or {})
     try:
@@ -662,7 +664,7 @@ def _eager_draft(bundle, weights: dict[str, torch.Tensor], **overrides):
     """The bundle's draft as a plain torch module (TP 1), from its recorded args and weights."""
     import dataclasses
 
-    from .models.eagle3 import Eagle3Args, Eagle3Draft, draft_layout
+    from ..models.eagle3 import Eagle3Args, Eagle3Draft, draft_layout
 
     entry = bundle.manifest.models["draft"]
     cfg = dict(entry.config)

@@ -56,7 +56,7 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
                  environ: dict | None = None, pins: Pins = Pins()) -> Verdict:
     """The runtime's own validation (runtime/bundle.py: manifest as data, digest, pins; with `files`
     every file's sha256 and the export graphs' contents), then the host checks."""
-    from .bundle import read_manifest, verify_files
+    from .reader import read_manifest, verify_files
 
     environ = os.environ if environ is None else environ
     v = Verdict(str(root))

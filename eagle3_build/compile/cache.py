@@ -40,6 +40,8 @@ from pathlib import Path
 
 from eagle3_runtime.manifest import sha256_file
 
+from ..files import atomic_write
+
 KEY_FORMAT = 1
 ENTRY = "entry.json"
 
@@ -131,8 +133,8 @@ def _code_hash() -> str:
     global _CODE_HASH
     if _CODE_HASH is None:
         h = hashlib.sha256()
-        pkg = Path(__file__).resolve().parent
-        for p in sorted(pkg.rglob("*.py")):
+        pkg = Path(__file__).resolve().parent.parent  # eagle3_build/, its test helpers left out
+        for p in sorted(q for q in pkg.rglob("*.py") if q.relative_to(pkg).parts[0] != "testing"):
             h.update(p.relative_to(pkg).as_posix().encode())
             h.update(p.read_bytes())
         _CODE_HASH = h.hexdigest()
@@ -342,9 +344,3 @@ class CompileCache:
         for sub in ("graphs", "traces", "failures", "tmp", "host"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
         return n
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
