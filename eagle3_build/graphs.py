@@ -1,23 +1,10 @@
 """Graph planning and the per-role graph modules.
 
-One graph per (role, bucket). Every graph is called as
-
-    graph(weights: tuple[Tensor, ...], kv: Tensor, rank: Tensor[1], *inputs) -> tuple[Tensor, ...]
-
-weights in the order the manifest lists them (bound from weights/<model>/rank<r>.safetensors),
-`kv` the model's static KV cache (mutated in place), the rank as a tensor (so one graph serves every
-rank), then the step inputs below. H is the padded hidden size. The role modules themselves take
-(cache: KVCache, rank, *inputs), so the Neuron backend drives them with its device state and
-per-rank weight instead (backends/neuron.py). Token, position and index inputs are int64, or int32
-where the backend asks for it (`index_dtype`).
-
-  role            bucket  inputs                                             outputs
-  target_prefill  S       tokens[1,S] slot[1] last[1]                        logits[1,V] aux[1,S,3H]
-  target_verify   b       tokens[b,K+1] start[b]                             logits[b,K+1,V] aux[b,K+1,3H]
-  target_decode   b       tokens[b] pos[b]                                   logits[b,V]
-  draft_prefill   S       aux[1,S,3H] next_tokens[1,S] slot[1] last[1]       token[1] hidden[1,Hd]
-  draft_catchup   b       aux[b,K+1,3H] next_tokens[b,K+1] start[b] last[b]  token[b] hidden[b,Hd]
-  draft_step      b       hidden[b,Hd] tokens[b] pos[b]                      token[b] hidden[b,Hd]
+The contract of every role (inputs, outputs, bucket kind, tokens per call, the call convention) is
+`eagle3_runtime.manifest.ROLES`; this module implements it. The role modules take
+(cache: KVCache, rank, *inputs), so the Neuron backend drives them with its device state and per-rank
+weight instead (backends/neuron.py); `BoundGraph` is what the portable backends trace: weights as a
+tuple input, bound by functional_call.
 """
 from __future__ import annotations
 
@@ -26,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eagle3_runtime.manifest import BATCH_ROLES, PREFILL_ROLES, ROLE_MODEL
+from eagle3_runtime.manifest import ROLES, Role, dtype_name, plan_roles, torch_dtype
 
 from .models.eagle3 import Eagle3Draft
 from .models.llama import Llama
-
+from .models.weights import weight_tensors
 
 
 @dataclass(frozen=True)
@@ -39,20 +26,24 @@ class GraphSpec:
     bucket: int
 
     @property
+    def contract(self) -> Role:
+        return ROLES[self.role]
+
+    @property
     def model(self) -> str:
-        return ROLE_MODEL[self.role]
+        return self.contract.model
 
     @property
     def name(self) -> str:
-        return f"{self.role}_{'s' if self.role in PREFILL_ROLES else 'b'}{self.bucket}"
+        return self.contract.graph_name(self.bucket)
+
+    def tokens_per_call(self, K: int) -> int:
+        return self.contract.tokens_per_call(self.bucket, K)
 
 
 def plan_graphs(prefill_buckets: list[int], batch_buckets: list[int]) -> list[GraphSpec]:
-    """Every graph a bundle needs: both prefill roles per prefill bucket, all batch roles per batch
-    bucket (target_decode is always present: it is the speculation-cutoff fallback)."""
-    specs = [GraphSpec(r, s) for s in prefill_buckets for r in PREFILL_ROLES]
-    specs += [GraphSpec(r, b) for b in batch_buckets for r in BATCH_ROLES]
-    return specs
+    """Every graph a bundle needs (manifest.plan_roles)."""
+    return [GraphSpec(r, b) for r, b in plan_roles(prefill_buckets, batch_buckets)]
 
 
 # ---------------------------------------------------------------- role modules
@@ -150,25 +141,11 @@ ROLE_MODULES = {"target_prefill": TargetPrefill, "target_verify": TargetVerify, 
 
 def step_inputs(spec: GraphSpec, *, K: int, target_hidden: int, draft_hidden: int, dtype: torch.dtype,
                 index_dtype: torch.dtype = torch.int64) -> list[tuple[str, list[int], torch.dtype]]:
-    """(name, shape, dtype) of a graph's step inputs, in call order (after weights and kv); the rank
-    first (int64 always: a portable graph's input, Neuron's per-rank weight)."""
-    i64, T, n = index_dtype, K + 1, spec.bucket
-    aux3 = 3 * target_hidden
-    return [("rank", [1], torch.int64)] + {
-        "target_prefill": [("tokens", [1, n], i64), ("slot", [1], i64), ("last", [1], i64)],
-        "target_verify": [("tokens", [n, T], i64), ("start", [n], i64)],
-        "target_decode": [("tokens", [n], i64), ("pos", [n], i64)],
-        "draft_prefill": [("aux", [1, n, aux3], dtype), ("next_tokens", [1, n], i64), ("slot", [1], i64),
-                          ("last", [1], i64)],
-        "draft_catchup": [("aux", [n, T, aux3], dtype), ("next_tokens", [n, T], i64), ("start", [n], i64),
-                          ("last", [n], i64)],
-        "draft_step": [("hidden", [n, draft_hidden], dtype), ("tokens", [n], i64), ("pos", [n], i64)],
-    }[spec.role]
-
-
-OUTPUT_NAMES = {"target_prefill": ("logits", "aux"), "target_verify": ("logits", "aux"),
-                "target_decode": ("logits",), "draft_prefill": ("token", "hidden"),
-                "draft_catchup": ("token", "hidden"), "draft_step": ("token", "hidden")}
+    """(name, shape, dtype) of a graph's inputs after weights and kv, in call order, the rank first
+    (manifest.ROLES; `index_dtype` for token / position / index inputs)."""
+    ins = spec.contract.input_specs(spec.bucket, K=K, target_hidden=target_hidden, draft_hidden=draft_hidden,
+                                    dtype=dtype_name(dtype), index_dtype=dtype_name(index_dtype))
+    return [(n, shape, torch_dtype(x)) for n, shape, x in ins]
 
 
 class BoundGraph(nn.Module):
@@ -185,17 +162,7 @@ class BoundGraph(nn.Module):
 
 
 def model_weight_names(model: nn.Module) -> list[str]:
-    """Parameters and persistent buffers (d2t) in a stable order."""
-    names = [n for n, _ in model.named_parameters()]
-    names += [n for n, _ in model.named_buffers() if n.split(".")[-1] not in model_nonpersistent(model)]
-    return names
-
-
-def model_nonpersistent(model: nn.Module) -> set[str]:
-    out = set()
-    for mod in model.modules():
-        out |= set(mod._non_persistent_buffers_set)
-    return out
+    return list(weight_tensors(model))
 
 
 def build_graph_module(spec: GraphSpec, model: nn.Module) -> tuple[BoundGraph, list[str]]:

@@ -17,15 +17,16 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import ROLE_MODEL
+from eagle3_runtime.manifest import ROLES, dtype_name, torch_dtype
 
-from .build import DTYPES, LoadedPair, build_models, graph_plan, load_pair, tokens_per_call, trace_graphs
-from .checkpoints.load import TARGET_ARGS, TargetCheckpoint, draft_checkpoint, read_config
+from .build import LoadedPair, build_models, graph_plan, load_pair, trace_graphs
+from .checkpoints.load import TARGET_ARGS, TargetCheckpoint, draft_checkpoint, eos_token_ids, read_config
 from .checkpoints.pair import build_draft, build_target
 from .checkpoints.sources import ResolvedSource, TensorSource
 from .compile.cache import CompileCache
 from .compile.scheduler import default_jobs, static_estimate
 from .errors import UserError
+from .models.weights import weight_tensors
 from .recipe import PairRecipe
 
 KNOWN = Path(__file__).resolve().parent / "known_configs"
@@ -100,10 +101,8 @@ def config_only_pair(pair: PairRecipe) -> tuple[LoadedPair, str]:
     if mtype not in TARGET_ARGS:
         raise UserError(f"target {pair.target.uri}: model_type {mtype!r} is not supported")
     args = TARGET_ARGS[mtype](cfg, "target")
-    eos = cfg.get("eos_token_id")
     target = TargetCheckpoint(ResolvedSource(pair.target, t_dir), cfg, args, _names_only({}, "config"),
-                              [] if eos is None else list(eos if isinstance(eos, list) else [eos]),
-                              cfg.get("bos_token_id"))
+                              eos_token_ids(cfg), cfg.get("bos_token_id"))
     d_dir, d_raw, d_origin = _config_dir(pair.draft, "draft")
     dcfg = d_raw["config"]
     fmt_origin = "config.bin" if d_raw.get("weights_format") == "bin" else "config"
@@ -115,16 +114,10 @@ def config_only_pair(pair: PairRecipe) -> tuple[LoadedPair, str]:
     draft = draft_checkpoint(ResolvedSource(pair.draft, d_dir), dcfg, _names_only(hints, fmt_origin), target)
     # every parameter of the models is "in the checkpoint" (the draft shares the target's embedding)
     t_model, d_model = build_target(target, draft.args.aux_layer_ids), build_draft(draft)
-    target.tensors = _names_only({n: list(p.shape) for n, p in _params(t_model).items()}, "config")
-    draft.tensors = _names_only({n: list(p.shape) for n, p in _params(d_model).items()
+    target.tensors = _names_only({n: list(p.shape) for n, p in weight_tensors(t_model).items()}, "config")
+    draft.tensors = _names_only({n: list(p.shape) for n, p in weight_tensors(d_model).items()
                                  if not n.startswith("embed_tokens")}, "config")
     return LoadedPair(pair, target, draft), origin if origin == d_origin else f"{origin} / {d_origin}"
-
-
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(model.named_parameters())
-    out.update({n: b for n, b in model.named_buffers() if n.split(".")[-1] == "d2t"})
-    return out
 
 
 # ------------------------------------------------------------------ plan
@@ -167,8 +160,8 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     if pair.backend == "neuron":
         from .backends.neuron import compiler_args, neuronx_cc_command
 
-        cc_args = {role: compiler_args(pair.backend_options, role) for role in ROLE_MODEL}
-    dtype = DTYPES[pair.dtype]
+        cc_args = {role: compiler_args(pair.backend_options, role) for role in ROLES}
+    dtype = torch_dtype(pair.dtype)
     from .graphs import step_inputs
 
     graphs = []
@@ -182,11 +175,11 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
         if status == "hit":
             est = 0.0
         elif backend is not None:
-            learned = cache.estimate(pair.backend, spec.role, tokens_per_call(spec, K))
+            learned = cache.estimate(pair.backend, spec.role, spec.tokens_per_call(K))
             est = learned if learned is not None else static_estimate(pair.backend, spec.role,
-                                                                      tokens_per_call(spec, K))
-        g = PlannedGraph(spec.name, spec.role, spec.model, spec.bucket, tokens_per_call(spec, K),
-                         [{"name": n, "shape": s, "dtype": str(x).removeprefix("torch.")} for n, s, x in ins],
+                                                                      spec.tokens_per_call(K))
+        g = PlannedGraph(spec.name, spec.role, spec.model, spec.bucket, spec.tokens_per_call(K),
+                         [{"name": n, "shape": s, "dtype": dtype_name(x)} for n, s, x in ins],
                          status, key, None if est is None else round(est, 1))
         if cc_args is not None:
             g.artifact = f"graphs/{spec.name}.neff"

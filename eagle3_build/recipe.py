@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eagle3_runtime.manifest import BACKENDS
+from eagle3_runtime.manifest import BACKENDS, MODEL_DTYPES, min_max_model_len
 
 from .buckets import default_batch_buckets, default_prefill_buckets
 from .errors import UserError
@@ -32,9 +32,11 @@ __all__ = [
     "Parallel",
     "Buckets",
     "VerifySettings",
+    "VERIFY_DEFAULTS",
     "PairRecipe",
     "Recipe",
     "load_recipe",
+    "min_max_model_len",
     "select_pair",
 ]
 
@@ -130,16 +132,23 @@ class Buckets(_Frozen):
 
 
 class VerifySettings(_Frozen):
-    min_acceptance_length: float | None = None
-    num_prompts: int = 4
-    max_tokens: int = 32
+    """The pair's ``verify`` section. These defaults are the only ones: the schema below and
+    ``eagle3-build verify`` (for a manifest whose recipe lacks a key) take them from here."""
+
+    min_acceptance_length: float | None = None  # the gate; None: no gate
+    num_prompts: int = 4  # 0: compile skips verify
+    max_tokens: int = 32  # per prompt
+    chat: bool = False  # wrap each prompt as one user message in the target's chat template
+
+
+VERIFY_DEFAULTS = VerifySettings()
 
 
 class PairRecipe(_Frozen):
     name: str
     target: SourceSpec
     draft: SourceSpec
-    dtype: Literal["float32", "bfloat16", "float16"]
+    dtype: Literal[MODEL_DTYPES]  # type: ignore[valid-type]
     speculation: Speculation
     serving: Serving
     parallel: Parallel
@@ -189,16 +198,17 @@ class _RawBuckets(_Raw):
 
 
 class _RawVerify(_Raw):
-    min_acceptance_length: float | None = Field(None, ge=1)
-    num_prompts: int = Field(4, ge=0)
-    max_tokens: int = Field(32, ge=1)
+    min_acceptance_length: float | None = Field(VERIFY_DEFAULTS.min_acceptance_length, ge=1)
+    num_prompts: int = Field(VERIFY_DEFAULTS.num_prompts, ge=0)
+    max_tokens: int = Field(VERIFY_DEFAULTS.max_tokens, ge=1)
+    chat: bool = VERIFY_DEFAULTS.chat
 
 
 class _RawPair(_Raw):
     name: str
     target: Any  # checked by _resolve_source (str or mapping)
     draft: Any
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal[MODEL_DTYPES] = "bfloat16"  # type: ignore[valid-type]
     speculation: _RawSpeculation
     serving: _RawServing
     parallel: _RawParallel = _RawParallel()
@@ -556,8 +566,9 @@ def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
     mnbt_raw = serving.get("max_num_batched_tokens")
     mnbt = _pos_int(mnbt_raw)
 
-    if mml is not None and k is not None and mml <= k:
-        add(("serving", "max_model_len"), f"must be greater than speculation.num_speculative_tokens ({k}), got {mml}")
+    if mml is not None and k is not None and mml < min_max_model_len(k):
+        add(("serving", "max_model_len"), f"must be greater than speculation.num_speculative_tokens + 1 "
+                                          f"({k + 1}), got {mml}")
     if mml is not None and mnbt is not None and mnbt > mml:
         add(("serving", "max_num_batched_tokens"), f"must be <= serving.max_model_len ({mml}), got {mnbt}")
 
@@ -639,6 +650,7 @@ def _build_pair(raw: _RawPair, target: SourceSpec, draft: SourceSpec) -> PairRec
             min_acceptance_length=raw.verify.min_acceptance_length,
             num_prompts=raw.verify.num_prompts,
             max_tokens=raw.verify.max_tokens,
+            chat=raw.verify.chat,
         ),
     )
 

@@ -1,4 +1,4 @@
-"""Padding and tensor-parallel sharding of weights (REFERENCE §4; vLLM-Neuron / NxDI layouts).
+"""Padding and tensor-parallel sharding of weights (the layouts of vLLM-Neuron / NxDI).
 
 Each rule is a small named function; `tensor_plan` picks the rules for a canonical tensor name and
 `write_rank_files` streams a checkpoint through them into weights/<model>/rank<r>.safetensors.
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from eagle3_runtime.manifest import SAFETENSORS_CODES, torch_dtype
 
 from .checkpoints.sources import TensorSource
 from .errors import UserError
@@ -65,14 +67,6 @@ def pad_chunks(t: torch.Tensor, dim: int, chunks: int, size: int) -> torch.Tenso
     """Split `dim` into `chunks` equal pieces and zero-pad each at its own end to `size`
     (fc: 3 aux chunks -> zeros at [i*H_p + H_u, (i+1)*H_p); draft q/k/v: embedding half | hidden half)."""
     return torch.cat([pad_dim(c, dim, size) for c in t.chunk(chunks, dim=dim)], dim=dim)
-
-
-def unpad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    return t.narrow(dim, 0, size)
-
-
-def unpad_chunks(t: torch.Tensor, dim: int, chunks: int, size: int) -> torch.Tensor:
-    return torch.cat([c.narrow(dim, 0, size) for c in t.chunk(chunks, dim=dim)], dim=dim)
 
 
 # ------------------------------------------------------------------ shard rules
@@ -237,8 +231,8 @@ def tensor_plan(model: str, name: str) -> TensorPlan:
 
 # ------------------------------------------------------------------ streaming safetensors writer
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-              torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8"}
+# the manifest's dtypes (manifest.SAFETENSORS_CODES), plus the byte types a weight file may hold
+_ST_DTYPES = {torch_dtype(n): code for n, code in SAFETENSORS_CODES.items()} | {torch.uint8: "U8", torch.int8: "I8"}
 
 
 class StreamingSafetensorsWriter:

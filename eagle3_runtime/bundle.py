@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .compat import backend_checks
-from .manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest
+from .manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
 from .reader import bundle_file, read_manifest, verify_files
 from .trust import Pins
 
@@ -79,7 +79,7 @@ def check_aoti_host(manifest: Manifest) -> None:
 
 def load_graph_aoti(path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
     """An AOTInductor package: native code, weights passed as inputs on every call (nothing copied).
-    The low-level loader avoids aoti_load_package's ~17 s first-call CPU checks (REFERENCE §7)."""
+    The low-level loader skips aoti_load_package's first-call CPU checks (~17 s measured)."""
     loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
     def run(ws, kv, *inputs):
@@ -117,7 +117,17 @@ class Graph:
         return out if isinstance(out, tuple) else tuple(out)
 
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+def call_by_name(graph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Call a graph (a Graph, or anything with its `entry` and call) with its inputs by name and get
+    its outputs by name: the names of its manifest entry (manifest.ROLES), in whatever order it lists them."""
+    order = [s.name for s in graph.entry.inputs[1:]]  # [0] is the rank
+    if set(inputs) != set(order):
+        raise ValueError(f"{graph.entry.name}: called with inputs {sorted(inputs)}, the graph takes {order}")
+    out = graph(*(inputs[n] for n in order))
+    return {s.name: x for s, x in zip(graph.entry.outputs, out)}
+
+
+DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifest.DTYPE_TABLE)
 
 
 class Bundle:

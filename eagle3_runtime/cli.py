@@ -1,4 +1,5 @@
-"""eagle3-run BUNDLE --prompt TEXT --max-tokens N [--no-spec] [--json]"""
+"""eagle3-run BUNDLE --prompt TEXT [--max-tokens N] [--chat] [--no-spec] [--json] [--threads N]: one generation
+from a bundle, printed with its speed and acceptance (torchrun --nproc-per-node N -m eagle3_runtime.cli for TP)."""
 from __future__ import annotations
 
 import argparse
@@ -7,20 +8,10 @@ import sys
 
 from .bundle import BundleError
 from .engine import Engine, RequestError
-from .errors import enable_debug, print_cause
+from .errors import Eagle3Error, enable_debug, print_cause
 from .tokenizer import BundleTokenizer
-from .tp import open_bundle, shutdown, stop_workers
+from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
-
-
-def set_threads(n: int | None) -> None:
-    import os
-
-    import torch
-
-    if n is None:
-        n = int(os.environ.get("EAGLE3_NUM_THREADS", "1"))
-    torch.set_num_threads(max(1, n))
 
 
 def _prompt_ids(root, tok: BundleTokenizer, prompt: str, chat: bool) -> list[int]:
@@ -44,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--debug", action="store_true", help="on an error, also print its traceback with the causes")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads per process (default 1: decode steps are latency-bound and "
-                         "multi-threaded small matmuls stall when cores are shared)")
+    add_threads_arg(ap)
     add_trust_args(ap)
     args = ap.parse_args(argv)
     try:
@@ -56,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.debug:
         enable_debug()
-    set_threads(args.threads)
+    try:
+        set_threads(args.threads)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ctx = None
     try:
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)

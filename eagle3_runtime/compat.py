@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .manifest import SCHEMA_VERSION, BundleError, Manifest, SchemaError
+from .manifest import MANIFEST, SCHEMA_VERSION, BundleError, Manifest, SchemaError
 from .trust import Pins
 
 OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
@@ -54,8 +54,8 @@ class Verdict:
 
 def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, backend_env: bool = True,
                  environ: dict | None = None, pins: Pins = Pins()) -> Verdict:
-    """The runtime's own validation (runtime/bundle.py: manifest as data, digest, pins; with `files`
-    every file's sha256 and the export graphs' contents), then the host checks."""
+    """The runtime's own validation (reader.py: manifest as data, digest, pins; with `files` every
+    file's sha256 and the export graphs' contents), then the host checks."""
     from .reader import read_manifest, verify_files
 
     environ = os.environ if environ is None else environ
@@ -79,8 +79,21 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
             return v
     if backend_env:
         v.checks += backend_checks(m, environ)
+    if m.backend == "neuron":
+        v.checks.append(neuron_call_check(m, Path(root)))
     v.checks.append(parallel_check(m, ranks, environ))
     return v
+
+
+def neuron_call_check(m: Manifest, root: Path) -> Check:
+    """The NxD call fields of every graph entry (what the loader pads and routes calls by)."""
+    from .neuron import check_manifest
+
+    try:
+        check_manifest(m, str(root / MANIFEST))
+    except BundleError as e:
+        return Check("nxd calls", False, str(e), BAD_BUNDLE)
+    return Check("nxd calls", True, f"{len(m.graphs)} graph entries name their NxD key, bucket and call layout")
 
 
 def backend_checks(m: Manifest, environ: dict) -> list[Check]:

@@ -11,8 +11,8 @@ One step = at most one prefill (a waiting request, into row n) + one decode step
     verify           target runs [pending, d_1..d_K] at p..p+K -> logits for K+1 positions
     accept           greedy prefix match, or probabilistic rejection (sampling.verify_sampled)
     catch-up         draft re-runs positions p..p+a with the target's aux states -> next d_1
-  rows past the speculation cutoff (p + K > max_model_len - 1) take only the verify's first token
-  (one token per step: the KV cache has K scratch positions past max_model_len for their writes);
+  rows past the speculation cutoff (manifest.can_speculate) take only the verify's first token (one
+  token per step; their verify writes land in the KV scratch positions of manifest.kv_cache_length);
   when no row can speculate, the plain target_decode graph runs instead.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 
 from .buckets import pick_bucket
 from .errors import Eagle3Error
-from .bundle import DTYPES, Bundle
+from .bundle import Bundle, call_by_name
+from .manifest import can_speculate, torch_dtype
 from .metrics import Metrics
 from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
 
@@ -163,6 +164,23 @@ class Generation:
     ttft: float | None = None  # s from the call to the first token (the prefill's), same clock as `seconds`
 
 
+def check_request(n_prompt: int, max_tokens: int, largest_prefill: int, max_model_len: int) -> None:
+    """The admission rule for one request (the engine's, and what `verify` checks its prompts against)."""
+    if n_prompt < 1:
+        raise RequestError("the prompt is empty (0 tokens)")
+    if n_prompt > largest_prefill:
+        raise RequestError(f"the prompt has {n_prompt} tokens, the largest prefill bucket of this bundle is "
+                           f"{largest_prefill} (max_model_len {max_model_len}); shorten the prompt or rebuild with a "
+                           "larger buckets.prefill")
+    if n_prompt >= max_model_len:
+        raise RequestError(f"the prompt has {n_prompt} tokens, max_model_len is {max_model_len}: no room to generate")
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
+    if n_prompt + max_tokens > max_model_len:
+        raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                           f"{max_model_len}; ask for at most {max_model_len - n_prompt} tokens", "max_tokens")
+
+
 class Engine:
     def __init__(self, bundle: Bundle, *, detokenize: Callable[[list[int]], str] | None = None,
                  speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None):
@@ -176,7 +194,7 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
         hidden = m.graph("draft_step", self.batch_buckets[0]).input("hidden")
-        self.hidden, self.hidden_dtype = hidden.shape[-1], DTYPES[hidden.dtype]
+        self.hidden, self.hidden_dtype = hidden.shape[-1], torch_dtype(hidden.dtype)
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Sequence] = []
         self.target_passes = 0
@@ -186,20 +204,7 @@ class Engine:
     # ------------------------------------------------------------------ admission
 
     def check_request(self, n_prompt: int, max_tokens: int) -> None:
-        largest = self.prefill_buckets[-1]
-        if n_prompt < 1:
-            raise RequestError("the prompt is empty (0 tokens)")
-        if n_prompt > largest:
-            raise RequestError(f"the prompt has {n_prompt} tokens, the largest prefill bucket of this bundle is "
-                               f"{largest} (max_model_len {self.max_len}); shorten the prompt or rebuild with a "
-                               "larger buckets.prefill")
-        if n_prompt >= self.max_len:
-            raise RequestError(f"the prompt has {n_prompt} tokens, max_model_len is {self.max_len}: no room to generate")
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
-        if n_prompt + max_tokens > self.max_len:
-            raise RequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                               f"{self.max_len}; ask for at most {self.max_len - n_prompt} tokens", "max_tokens")
+        check_request(n_prompt, max_tokens, self.prefill_buckets[-1], self.max_len)
 
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe). Raises RequestError / QueueFull."""
@@ -290,21 +295,22 @@ class Engine:
         tokens = torch.zeros(1, S, dtype=torch.int64)
         tokens[0, :n] = torch.tensor(seq.ids)
         slot, last = torch.tensor([row]), torch.tensor([n - 1])
-        logits, aux = self._run("target_prefill", S, tokens, slot, last)
+        out = self._run("target_prefill", S, tokens=tokens, slot=slot, last=last)
         self.target_passes += 1
         self.metrics.prompt_tokens.inc(n)
-        self._emit(seq, [next_token(logits[0], req.sampling, seq.gen)])
+        self._emit(seq, [next_token(out["logits"][0], req.sampling, seq.gen)])
         if seq.finish_reason is None and self._speculates(seq):
             nxt = torch.zeros(1, S, dtype=torch.int64)
             nxt[0, :n] = torch.tensor(seq.ids[1:n + 1])
-            tok, hidden = self._run("draft_prefill", S, aux, nxt, slot, last)
-            seq.draft_tok, seq.draft_hidden = int(tok[0]), hidden[0]
+            d = self._run("draft_prefill", S, aux=out["aux"], next_tokens=nxt, slot=slot, last=last)
+            seq.draft_tok, seq.draft_hidden = int(d["token"][0]), d["hidden"][0]
 
-    def _run(self, role: str, bucket: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Call one compiled graph, timed into the metrics (eagle3_graph_latency_seconds)."""
+    def _run(self, role: str, bucket: int, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Call one compiled graph with its inputs by name (manifest.ROLES) -> its outputs by name,
+        timed into the metrics (eagle3_graph_latency_seconds)."""
         graph = self.bundle.graph(role, bucket)
         t0 = time.perf_counter()
-        out = graph(*inputs)
+        out = call_by_name(graph, inputs)
         self.metrics.record_graph(role, bucket, time.perf_counter() - t0)
         return out
 
@@ -317,7 +323,7 @@ class Engine:
         K, L = self.K, self.max_len
         n = len(self.active)
         bsz = pick_bucket(self.batch_buckets, n)
-        spec = [s.draft_tok is not None and s.pos + K <= L - 1 for s in self.active]
+        spec = [s.draft_tok is not None and can_speculate(s.pos, K, L) for s in self.active]
         if any(spec):
             self._spec_round(bsz, spec)
             return "speculative"
@@ -329,7 +335,7 @@ class Engine:
         pos = torch.zeros(bsz, dtype=torch.int64)
         for s in self.active:
             tokens[s.row], pos[s.row] = s.ids[-1], s.pos
-        (logits,) = self._run("target_decode", bsz, tokens, pos)
+        logits = self._run("target_decode", bsz, tokens=tokens, pos=pos)["logits"]
         self.target_passes += 1
         for s in self.active:
             self._emit(s, [next_token(logits[s.row], s.req.sampling, s.gen)])
@@ -347,14 +353,16 @@ class Engine:
                 drafts[s.row, 0], hidden[s.row] = s.draft_tok, s.draft_hidden
         tok = drafts[:, 0].clone()
         for k in range(1, K):
-            tok, hidden = self._run("draft_step", bsz, hidden, tok, (start - 1 + k).clamp(min=0))
+            d = self._run("draft_step", bsz, hidden=hidden, tokens=tok, pos=(start - 1 + k).clamp(min=0))
+            tok, hidden = d["token"], d["hidden"]
             drafts[:, k] = tok
         # 2. verify all K+1 positions in one target pass
         verify_in = torch.zeros(bsz, K + 1, dtype=torch.int64)
         for s in rows:
             verify_in[s.row, 0] = s.ids[-1]
         verify_in[:, 1:] = drafts
-        logits, aux = self._run("target_verify", bsz, verify_in, start)
+        v = self._run("target_verify", bsz, tokens=verify_in, start=start)
+        logits = v["logits"]
         self.target_passes += 1
         # 3. accept per row
         nxt = torch.zeros(bsz, K + 1, dtype=torch.int64)
@@ -376,10 +384,10 @@ class Engine:
         # 4. catch the draft up on the accepted positions (rows that finished or cannot speculate
         #    write only into their own, soon irrelevant, draft cache entries)
         if any(ok and s.finish_reason is None for s, ok in zip(rows, spec)):
-            tok, hid = self._run("draft_catchup", bsz, aux, nxt, start, last)
+            d = self._run("draft_catchup", bsz, aux=v["aux"], next_tokens=nxt, start=start, last=last)
             for s, ok in zip(rows, spec):
                 if ok:
-                    s.draft_tok, s.draft_hidden = int(tok[s.row]), hid[s.row]
+                    s.draft_tok, s.draft_hidden = int(d["token"][s.row]), d["hidden"][s.row]
 
     # ------------------------------------------------------------------ output
 

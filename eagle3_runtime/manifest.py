@@ -1,7 +1,10 @@
 """manifest.json: the only contract between the builder and the runtime.
 
 The builder imports these models to write a manifest; the runtime reads it back and trusts nothing
-else about a bundle. Bump SCHEMA_VERSION on any incompatible change.
+else about a bundle. Besides the schema this module holds the rules both sides share, each defined
+once: the dtype names, the backends, the graph roles (`ROLES`: model, bucket kind, inputs, outputs,
+tokens per call), the KV scratch rule and the Neuron SDK's package names. It imports no torch.
+Bump SCHEMA_VERSION on any incompatible change.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -19,15 +23,166 @@ from .errors import Eagle3Error
 SCHEMA_VERSION = 2  # 2: graph keys, bundle digest, build record
 MANIFEST = "manifest.json"
 
-# Graph roles: both prefill roles per prefill bucket, every batch role per batch bucket.
-PREFILL_ROLES = ("target_prefill", "draft_prefill")
-BATCH_ROLES = ("target_verify", "target_decode", "draft_catchup", "draft_step")
-ROLE_MODEL = {"target_prefill": "target", "target_verify": "target", "target_decode": "target",
-              "draft_prefill": "draft", "draft_catchup": "draft", "draft_step": "draft"}
 BACKENDS = ("export", "aoti", "neuron")
 NATIVE_CODE_BACKENDS = ("aoti", "neuron")  # their graph files are machine code: trust them only by a pin
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "int64", "int32", "bool")  # torch names without "torch."
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+# ------------------------------------------------------------------ dtypes
+
+# every dtype a manifest may name (torch's name without "torch.") -> (bytes per element, safetensors code)
+DTYPE_TABLE = {"float32": (4, "F32"), "bfloat16": (2, "BF16"), "float16": (2, "F16"), "int64": (8, "I64"),
+               "int32": (4, "I32"), "bool": (1, "BOOL")}
+DTYPE_NAMES = tuple(DTYPE_TABLE)
+DTYPE_BYTES = {name: nbytes for name, (nbytes, _) in DTYPE_TABLE.items()}
+SAFETENSORS_CODES = {name: code for name, (_, code) in DTYPE_TABLE.items()}
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what a bundle's weights, KV caches and activations may be
+
+
+def torch_dtype(name: str):
+    """The torch.dtype of a manifest dtype name (torch is imported only here: the builder reads this
+    module before it may import torch)."""
+    import torch
+
+    if name not in DTYPE_TABLE:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype) -> str:
+    """A torch.dtype's manifest name ("torch.bfloat16" -> "bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------ the graph contract
+#
+# One graph per (role, bucket), called as
+#     graph(weights: tuple[Tensor, ...], kv: Tensor, rank: Tensor[1], *inputs) -> tuple[Tensor, ...]
+# weights in the order GraphEntry.weights lists them, `kv` the model's static KV cache (mutated in
+# place), the rank as an int64 tensor (one graph serves every rank), then the role's inputs below.
+# Shape symbols: n the bucket (prefill length S or batch size b), T = K + 1 (the verify width),
+# A = 3 x the padded target hidden (aux states), Hd the padded draft hidden, V the target vocab.
+# Dtypes: a manifest dtype, "model" (the bundle dtype) or "index" (int64; int32 where the backend
+# asks: Neuron). Outputs are what the runtime returns (integer outputs int64 on every backend).
+
+
+@dataclass(frozen=True)
+class Port:
+    """One input or output of a role: name, shape in the symbols above, dtype."""
+
+    name: str
+    shape: tuple[str | int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    model: str  # target | draft
+    bucket_kind: str  # prefill (one sequence of S tokens) | batch (b rows)
+    inputs: tuple[Port, ...]  # after the rank, in call order
+    outputs: tuple[Port, ...]
+    token_input: str  # the input whose size is the tokens one call processes
+
+    def graph_name(self, bucket: int) -> str:
+        return f"{self.name}_{'s' if self.bucket_kind == 'prefill' else 'b'}{bucket}"
+
+    def input_specs(self, bucket: int, *, K: int, target_hidden: int, draft_hidden: int, dtype: str,
+                    index_dtype: str = "int64") -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype name) of every input in call order, the rank first."""
+        dims = _dims(bucket, K, target_hidden, draft_hidden, 0)
+        return [(RANK.name, list(RANK.shape), RANK.dtype)] + [_resolve(p, dims, dtype, index_dtype) for p in self.inputs]
+
+    def output_specs(self, bucket: int, *, K: int, target_hidden: int, draft_hidden: int, vocab: int,
+                     dtype: str) -> list[tuple[str, list[int], str]]:
+        dims = _dims(bucket, K, target_hidden, draft_hidden, vocab)
+        return [_resolve(p, dims, dtype, "int64") for p in self.outputs]
+
+    def tokens_per_call(self, bucket: int, K: int) -> int:
+        (port,) = [p for p in self.inputs if p.name == self.token_input]
+        return math.prod(_dims(bucket, K, 0, 0, 0)[d] if isinstance(d, str) else d for d in port.shape)
+
+
+RANK = Port("rank", (1,), "int64")  # always int64: a portable graph's input, Neuron's per-rank weight
+
+
+def _dims(n: int, K: int, target_hidden: int, draft_hidden: int, vocab: int) -> dict[str, int]:
+    return {"n": n, "T": K + 1, "A": 3 * target_hidden, "Hd": draft_hidden, "V": vocab}
+
+
+def _resolve(p: Port, dims: dict[str, int], dtype: str, index_dtype: str) -> tuple[str, list[int], str]:
+    shape = [dims[d] if isinstance(d, str) else d for d in p.shape]
+    return p.name, shape, {"model": dtype, "index": index_dtype}.get(p.dtype, p.dtype)
+
+
+def _ports(*specs: str) -> tuple[Port, ...]:
+    """"tokens[1,n]:index" -> Port("tokens", (1, "n"), "index")."""
+    out = []
+    for spec in specs:
+        head, dtype = spec.split(":")
+        name, dims = head.rstrip("]").split("[")
+        out.append(Port(name, tuple(int(d) if d.isdigit() else d for d in dims.split(",")), dtype))
+    return tuple(out)
+
+
+ROLES: dict[str, Role] = {r.name: r for r in (
+    Role("target_prefill", "target", "prefill", _ports("tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
+         _ports("logits[1,V]:float32", "aux[1,n,A]:model"), "tokens"),
+    Role("target_verify", "target", "batch", _ports("tokens[n,T]:index", "start[n]:index"),
+         _ports("logits[n,T,V]:float32", "aux[n,T,A]:model"), "tokens"),
+    Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
+         _ports("logits[n,V]:float32"), "tokens"),
+    Role("draft_prefill", "draft", "prefill",
+         _ports("aux[1,n,A]:model", "next_tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
+         _ports("token[1]:int64", "hidden[1,Hd]:model"), "next_tokens"),
+    Role("draft_catchup", "draft", "batch",
+         _ports("aux[n,T,A]:model", "next_tokens[n,T]:index", "start[n]:index", "last[n]:index"),
+         _ports("token[n]:int64", "hidden[n,Hd]:model"), "next_tokens"),
+    Role("draft_step", "draft", "batch", _ports("hidden[n,Hd]:model", "tokens[n]:index", "pos[n]:index"),
+         _ports("token[n]:int64", "hidden[n,Hd]:model"), "tokens"),
+)}
+# derived views: both prefill roles per prefill bucket, every batch role per batch bucket
+PREFILL_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "prefill")
+BATCH_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "batch")
+ROLE_MODEL = {r.name: r.model for r in ROLES.values()}
+
+
+def plan_roles(prefill_buckets: list[int], batch_buckets: list[int]) -> list[tuple[str, int]]:
+    """Every (role, bucket) a bundle has, in build order (target_decode always: it is the
+    speculation-cutoff fallback)."""
+    return ([(r, s) for s in prefill_buckets for r in PREFILL_ROLES]
+            + [(r, b) for b in batch_buckets for r in BATCH_ROLES])
+
+
+# ------------------------------------------------------------------ the KV scratch rule
+#
+# A row at pending position p speculates while p + K <= max_model_len - 1; a row past that cutoff
+# still rides along in a verify batch, which writes K + 1 positions from p. So every KV-cache row has
+# K scratch positions past max_model_len, rounded up to KV_ALIGN so that the cache (and every graph
+# but verify / catch-up) keeps its shape when only K changes.
+KV_ALIGN = 64
+
+
+def can_speculate(pos: int, K: int, max_model_len: int) -> bool:
+    return pos + K <= max_model_len - 1
+
+
+def min_max_model_len(K: int) -> int:
+    """The smallest max_model_len for K speculative tokens, K + 2: the pending token sits at p >= 1 (a
+    prompt has a token) and can_speculate needs p + K <= max_model_len - 1."""
+    return int(K) + 2
+
+
+def kv_cache_length(max_model_len: int, num_speculative_tokens: int) -> int:
+    """Positions per KV-cache row: max_model_len + K scratch positions, rounded up to KV_ALIGN."""
+    need = max_model_len + num_speculative_tokens
+    return -(-need // KV_ALIGN) * KV_ALIGN
+
+
+# ------------------------------------------------------------------ Neuron SDK
+
+# the SDK's packages: import name -> (key in a manifest's toolchain record, pip name)
+NEURON_SDK = {"torch_neuronx": ("torch_neuronx", "torch-neuronx"), "neuronxcc": ("neuronx_cc", "neuronx-cc"),
+              "libneuronxla": ("libneuronxla", "libneuronxla"),
+              "neuronx_distributed": ("neuronx_distributed", "neuronx-distributed")}
 
 MAX_DIM = 1 << 40  # no real tensor dimension comes near this; a manifest that says so is refused
 Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
@@ -140,7 +295,7 @@ class Manifest(_Strict):
     def _consistent(self) -> "Manifest":
         """What the runtime relies on, checked as data before anything is allocated or loaded."""
         K = self.num_speculative_tokens
-        if self.max_model_len <= K + 1:
+        if self.max_model_len < min_max_model_len(K):
             raise ValueError(f"max_model_len {self.max_model_len} must exceed num_speculative_tokens + 1 ({K + 1})")
         for key in ("prefill_buckets", "batch_buckets"):
             b = getattr(self, key)
@@ -158,15 +313,14 @@ class Manifest(_Strict):
         have = [(g.role, g.bucket) for g in self.graphs]
         if len(set(have)) != len(have):
             raise ValueError("graphs: more than one graph for the same role and bucket")
-        need = [(r, s) for s in self.prefill_buckets for r in PREFILL_ROLES]
-        need += [(r, b) for b in self.batch_buckets for r in BATCH_ROLES]
+        need = plan_roles(self.prefill_buckets, self.batch_buckets)
         missing = [f"{r}/{b}" for r, b in need if (r, b) not in set(have)]
         if missing:
             raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs every role)")
         for g in self.graphs:
             if g.model != ROLE_MODEL[g.role] or g.state not in states:
                 raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role")
-            if not g.inputs or g.inputs[0].name != "rank":
+            if not g.inputs or g.inputs[0].name != RANK.name:
                 raise ValueError(f"graph {g.name}: the first input must be the rank")
             for w in g.weights:
                 model, _, tensor = w.partition("/")

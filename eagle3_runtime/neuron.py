@@ -11,7 +11,8 @@ process, so torchrun with a process per rank cannot work and is refused).
 
 Before anything is loaded: the Neuron SDK must be importable and its versions must equal the ones the
 bundle was compiled with; the logical-core setting (lnc) must match; the instance must have at least
-tp_degree logical NeuronCores. Each failure names the fix.
+tp_degree logical NeuronCores; each graph entry's NxD call fields must be sound (`nxd_call`).
+Each failure names the fix.
 """
 from __future__ import annotations
 
@@ -20,17 +21,16 @@ import hashlib
 import importlib
 import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import Eagle3Error
-from .manifest import BundleError, Manifest
+from .manifest import MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest
 
-SDK = {"torch_neuronx": "torch_neuronx", "neuronxcc": "neuronx_cc", "libneuronxla": "libneuronxla",
-       "neuronx_distributed": "neuronx_distributed"}
-PIP_NAMES = {"torch_neuronx": "torch-neuronx", "neuronx_cc": "neuronx-cc", "libneuronxla": "libneuronxla",
-             "neuronx_distributed": "neuronx-distributed"}
+SDK = {mod: key for mod, (key, _) in NEURON_SDK.items()}  # import name -> toolchain key
+PIP_NAMES = dict(NEURON_SDK.values())  # toolchain key -> pip name
 PHYSICAL_CORES_PER_DEVICE = {"trn2": 8, "trn1": 2, "inf2": 2}
 DEFAULT_LNC = {"trn2": 2, "trn1": 1, "inf2": 1}
 
@@ -51,6 +51,73 @@ def padded(inputs, arity: int) -> tuple[torch.Tensor, ...]:
 
 def kv_move_inputs(src: int, dst: int, arity: int) -> tuple[torch.Tensor, ...]:
     return padded([torch.tensor([src, dst], dtype=torch.int32)], arity)
+
+
+# What each neuron graph entry's `backend` records about its NxD call (eagle3_build/backends/neuron.py)
+CALL_FIELDS = {"format": str, "key": str, "bucket_index": int, "arity": int, "n_out": int}
+MAX_ARITY = 64  # inputs / outputs of one call; no graph role comes near this
+
+
+@dataclass(frozen=True)
+class NxDCall:
+    """How one model's NxD model is called: every key padded to `arity` inputs, `n_out` outputs back."""
+
+    arity: int
+    n_out: int
+    file: FileEntry  # the NxD model file (graphs/<model>.pt), shared by the model's graphs
+
+
+def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
+    """Model `name`'s call layout from its graph entries, checked as data: a BundleError names the
+    graph, the field and the fix."""
+    graphs = [g for g in m.graphs if g.model == name]
+    if not graphs:
+        raise BundleError(f"{where}: no graphs for the {name} model; rebuild the bundle")
+    g0, routes = graphs[0], {}
+    for g in graphs:
+        b = g.backend
+        for field, kind in CALL_FIELDS.items():
+            if field not in b:
+                raise _bad_call(where, g.name, f"backend.{field} is missing")
+            if type(b[field]) is not kind:  # (a bool is not an int here)
+                raise _bad_call(where, g.name, f"backend.{field} is {b[field]!r}, not "
+                                               f"{'a string' if kind is str else 'an integer'}")
+        problem = None
+        n_role = sum(x.role == g.role for x in graphs)
+        if b["format"] != NXD_FORMAT:
+            problem = f"backend.format is {b['format']!r}, not {NXD_FORMAT!r}"
+        elif b["key"] != g.role:
+            problem = f"backend.key {b['key']!r} is not the graph's role {g.role!r}"
+        elif not 0 <= b["bucket_index"] < n_role:
+            problem = f"backend.bucket_index {b['bucket_index']} is outside 0..{n_role - 1} ({g.role} buckets)"
+        elif (g.role, b["bucket_index"]) in routes:
+            problem = f"backend.bucket_index {b['bucket_index']} is also graph {routes[(g.role, b['bucket_index'])]}'s"
+        elif not len(g.inputs) - 1 <= b["arity"] <= MAX_ARITY:  # (the rank input is a weight on Neuron)
+            problem = (f"backend.arity {b['arity']} is outside {len(g.inputs) - 1}..{MAX_ARITY} (the graph takes "
+                       f"{len(g.inputs) - 1} inputs besides the rank)")
+        elif not len(g.outputs) <= b["n_out"] <= MAX_ARITY:
+            problem = (f"backend.n_out {b['n_out']} is outside {len(g.outputs)}..{MAX_ARITY} (the graph returns "
+                       f"{len(g.outputs)} outputs)")
+        elif (b["arity"], b["n_out"]) != (g0.backend["arity"], g0.backend["n_out"]):
+            problem = (f"backend.arity / n_out {b['arity']} / {b['n_out']} differ from graph {g0.name}'s "
+                       f"{g0.backend['arity']} / {g0.backend['n_out']} (one NxD model, one call layout)")
+        elif g.file != g0.file:
+            problem = f"file {g.file.path} is not graph {g0.name}'s {g0.file.path} (one NxD model file per model)"
+        if problem:
+            raise _bad_call(where, g.name, problem)
+        routes[(g.role, b["bucket_index"])] = g.name
+    return NxDCall(g0.backend["arity"], g0.backend["n_out"], g0.file)
+
+
+def _bad_call(where: str, graph: str, problem: str) -> BundleError:
+    return BundleError(f"{where}: graph {graph}: {problem}; rebuild the bundle with `eagle3-build compile RECIPE "
+                       f"--backend neuron`, which records each graph's NxD call ({', '.join(CALL_FIELDS)})")
+
+
+def check_manifest(m: Manifest, where: str = MANIFEST) -> None:
+    """Every model's NxD call fields (BundleError naming the graph, the field and the fix)."""
+    for name in m.models:
+        nxd_call(m, name, where)
 
 
 class NeuronHostError(Eagle3Error):
@@ -91,7 +158,7 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
     devices = sorted(glob.glob("/dev/neuron[0-9]*")) if devices is None else devices
     versions = installed_versions() if versions is None else versions
     tc = m.toolchain
-    needed = [k for k in SDK.values() if k in tc or k != "neuronx_distributed"]
+    needed = list(SDK.values())
     missing = [PIP_NAMES[k] for k in needed if k not in versions]
     if missing:
         pins = ", ".join(f"{PIP_NAMES[k]}=={tc.get(k)}" for k in needed)
@@ -129,15 +196,14 @@ class NxDModel:
 
     def __init__(self, root: Path, m: Manifest, name: str, file_of):
         """`file_of(entry)` gives a FileEntry's checked path inside the bundle."""
+        call = nxd_call(m, name, str(Path(root) / MANIFEST))  # (data first: before the SDK is imported)
         import torch_neuronx  # noqa: F401  (registers the torch.classes.neuron the saved model uses [inferred])
         from safetensors.torch import load_file
 
-        graphs = [g for g in m.graphs if g.model == name]
-        g0 = graphs[0]
-        self.arity = int(g0.backend["arity"])
-        path = file_of(g0.file)
+        self.arity = call.arity
+        path = file_of(call.file)
         data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != g0.file.sha256:
+        if hashlib.sha256(data).hexdigest() != call.file.sha256:
             raise BundleError(f"{path}: does not match its sha256 in the manifest; rebuild or re-download the bundle")
         self.module = torch.jit.load(io.BytesIO(data))
         weights = [load_file(file_of(f)) for f in m.models[name].weight_files]

@@ -91,7 +91,7 @@ def check_file(root: Path, entry: FileEntry) -> Path:
 
 def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
     """Every file (of one rank's weights only, when `rank` is given) against the manifest; export graphs are
-    also checked to hold nothing but a static operator graph (runtime/safe_pt2.py)."""
+    also checked to hold nothing but a static operator graph (safe_pt2.py)."""
     from .safe_pt2 import UnsafeArchive, check_archive
 
     others = set()

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, 127.0.0.1 by default).
 
-    eagle3-serve BUNDLE [--host 127.0.0.1] [--port 8000] [--no-spec]
+    eagle3-serve BUNDLE [--host 127.0.0.1] [--port 8000] [--no-spec] [--threads N]
     torchrun --nproc-per-node N -m eagle3_runtime.server BUNDLE ...     # TP bundles
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as SSE),
@@ -8,7 +8,7 @@ GET /v1/models, /health, /metrics (Prometheus text). The engine runs on one back
 each request gets an asyncio queue fed from that thread. A client that disconnects cancels its
 sequence, which frees its KV-cache row at the engine's next step.
 
-Hostile input gets a 4xx with an OpenAI-style error body before it costs much (runtime/protocol.py:
+Hostile input gets a 4xx with an OpenAI-style error body before it costs much (protocol.py:
 body cap 413, slow body 408, JSON depth / number limits, lone surrogates, strict types, unimplemented
 OpenAI fields); prompts far longer than max_model_len are refused before tokenizing. Parsing and
 tokenizing run on a worker thread, so /health stays responsive. An idle connection, or one that
@@ -38,6 +38,7 @@ from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, 
                        CompletionRequest, parse_json, read_body, short_repr, validate)
 from .sampling import SamplingParams
 from .tokenizer import BundleTokenizer
+from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
 
 # ---------------------------------------------------------------------------------------- server
@@ -369,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a free sequence slot before HTTP 503")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help=f"largest request body; a larger one gets HTTP 413 (default {MAX_BODY_BYTES})")
     ap.add_argument("--body-timeout", type=float, default=30.0,
@@ -378,13 +378,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a connection may sit idle, or take to send a request's headers, before it is "
                          "closed (default 5)")
     ap.add_argument("--debug", action="store_true", help="on an error, also print its traceback with the causes")
+    add_threads_arg(ap)
     add_trust_args(ap)
     args = ap.parse_args(argv)
-    from .cli import set_threads
-    from .errors import enable_debug, print_cause
-    from .tp import open_bundle, shutdown, stop_workers
+    from .errors import Eagle3Error, enable_debug, print_cause
 
-    set_threads(args.threads)
+    try:
+        set_threads(args.threads)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
     except BundleError as e:

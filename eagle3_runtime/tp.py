@@ -1,11 +1,13 @@
 """Tensor parallelism at run time for the portable backends: one process per rank under torchrun
-(gloo on CPU). Neuron bundles are SPMD instead: one process drives every rank (runtime/neuron.py).
+(gloo on CPU). Neuron bundles are SPMD instead: one process drives every rank (eagle3_runtime/neuron.py).
 
 Rank 0 (the driver) owns tokenization, scheduling and output. Before every graph call it broadcasts
 the call (graph index, then each input tensor, shapes known from the manifest) on a dedicated control
 group; every rank then runs the same graph on its own weights, and the collectives inside the graph
 use the default group. Control traffic and in-graph collectives never share a gloo group (mixing
-them deadlocks, REFERENCE §7).
+them deadlocks: a broadcast and a graph's all-reduce can pair up across ranks).
+
+This module also decides how many torch CPU threads each process uses (`set_threads`, both CLIs).
 """
 from __future__ import annotations
 
@@ -17,11 +19,72 @@ import torch
 import torch.distributed as dist
 
 from .bundle import DTYPES, Bundle, BundleError, Graph
+from .errors import Eagle3Error
 from .manifest import Manifest
 from .reader import read_manifest
 
 STOP = -1
 COPY_ROW = -2
+
+THREADS_ENV = "EAGLE3_NUM_THREADS"
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets), shared evenly
+    among the local ranks when torchrun starts several on this host (LOCAL_WORLD_SIZE); at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        cores = os.cpu_count() or 1
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        local_ranks = 1
+    return max(1, cores // max(1, local_ranks))
+
+
+def num_threads(n: int | None = None) -> int:
+    """torch CPU threads for this process: `n` (--threads), else $EAGLE3_NUM_THREADS, else default_threads().
+    OMP_NUM_THREADS is not read: torchrun sets it to 1 for every rank it starts."""
+    if n is None:
+        raw = os.environ.get(THREADS_ENV, "").strip()
+        if not raw:
+            return default_threads()
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise Eagle3Error(f"{THREADS_ENV}={raw!r} is not a positive whole number of threads; "
+                              f"set it to one (e.g. {THREADS_ENV}=2) or unset it for the default")
+    return max(1, n)
+
+
+def set_threads(n: int | None = None) -> int:
+    """Set torch's intra-op threads as num_threads(n) says; returns the count."""
+    n = num_threads(n)
+    torch.set_num_threads(n)
+    return n
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return n
+
+
+def add_threads_arg(ap) -> None:
+    """The --threads flag of eagle3-run and eagle3-serve (argparse)."""
+    ap.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                    help=f"torch CPU threads per process (default: ${THREADS_ENV} if set, else the cores this "
+                         "process may run on, len(os.sched_getaffinity(0)), divided by the local ranks under "
+                         "torchrun, LOCAL_WORLD_SIZE; at least 1)")
 
 
 @dataclass
@@ -43,7 +106,7 @@ def init_tp(manifest: Manifest) -> TPContext | None:
     """None for a TP-1 bundle run as one process; otherwise join the torchrun world (and check it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = manifest.tp_degree
-    if manifest.backend == "neuron":  # SPMD: this one process drives every rank (runtime/neuron.py)
+    if manifest.backend == "neuron":  # SPMD: this one process drives every rank (neuron.py)
         if world > 1:
             from .neuron import torchrun_refusal
 
@@ -125,8 +188,8 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
 
     Rank 0 gets (bundle, ctx) with its graphs announcing every call to the workers; ranks > 0 run
     the worker loop here until the driver stops them and get (None, ctx). `ref` may also be a
-    reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (runtime/remote.py);
-    `expect_digest` / `public_key` (or a `#sha256=` on the reference) pin it (runtime/trust.py)."""
+    reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (remote.py);
+    `expect_digest` / `public_key` (or a `#sha256=` on the reference) pin it (trust.py)."""
     from .remote import is_remote, resolve_bundle
     from .trust import pins
 

@@ -30,45 +30,66 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           timeout=timeout, env=env)
 
 
-class TinyBundles:
-    """Builds tiny pairs + bundles once per session, keyed by (draft format, K)."""
+# ------------------------------------------------------------------ tiny pairs and bundles (tests/fixtures)
 
-    def __init__(self, root: Path):
-        self.root = root
-        self.built: dict[tuple[str, int], tuple[Path, Path]] = {}
+SERVER_RECIPE = {"serving": {"max_num_seqs": 2}, "buckets": {"batch": [1, 2]}}  # two sequence slots
+_factories: list = []
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, _private_compile_cache):
+    """The session's TinyFactory: every tiny pair and bundle, made once (see tests/fixtures/__init__.py)."""
+    from fixtures import TinyFactory
+
+    f = TinyFactory(tmp_path_factory.mktemp("tiny"), session_cache=Path(os.environ["EAGLE3_BUILD_CACHE"]))
+    _factories.append(f)
+    return f
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny):
+    """tiny_pair(**make_tiny_pair_kw) -> recipe path, written once per session."""
+    return tiny.pair
+
+
+@pytest.fixture(scope="session")
+def built_bundle(tiny):
+    """built_bundle(k=, tp=, padded=, backend=, recipe={...}, **make_tiny_pair_kw) -> fixtures.Built."""
+    return tiny.bundle
+
+
+class TinyBundles:
+    """`get(draft format, K)` -> (pair dir with target/ draft/ recipe.yaml, bundle dir), from the factory."""
+
+    def __init__(self, factory):
+        self.factory = factory
 
     def get(self, fmt: str, k: int) -> tuple[Path, Path]:
-        """-> (pair dir with target/ draft/ recipe.yaml, bundle dir)"""
-        key = (fmt, k)
-        if key not in self.built:
-            pair = self.root / f"{fmt}-k{k}"
-            r = run_cli("eagle3-build", "make-tiny-pair", str(pair), "--draft-format", fmt, "-k", str(k))
-            assert r.returncode == 0, r.stderr
-            out = self.root / "artifacts" / f"{fmt}-k{k}"
-            r = run_cli("eagle3-build", "compile", str(pair / "recipe.yaml"), "--out", str(out), "--no-verify")
-            assert r.returncode == 0, r.stdout + r.stderr
-            self.built[key] = (pair, out)
-        return self.built[key]
+        b = self.factory.bundle(draft_format=fmt, num_speculative_tokens=k)
+        return b.pair, b.path
 
 
 @pytest.fixture(scope="session")
-def tiny_bundles(tmp_path_factory) -> TinyBundles:
-    return TinyBundles(tmp_path_factory.mktemp("tiny"))
+def tiny_bundles(tiny) -> TinyBundles:
+    return TinyBundles(tiny)
 
 
 @pytest.fixture(scope="session")
-def bundle(tmp_path_factory) -> Path:
+def bundle(tiny) -> Path:
     """The server tests' bundle (test_server.py, test_hostile_server.py): a tiny speculators pair, K 3,
     with two sequence slots (max_num_seqs 2, batch buckets [1, 2])."""
-    from eagle3_build.build import build_bundle
     from eagle3_build.recipe import load_recipe
-    from eagle3_build.testing.tiny import make_tiny_pair
 
-    root = tmp_path_factory.mktemp("server")
-    recipe = make_tiny_pair(root / "pair", draft_format="speculators")
-    text = recipe.read_text().replace("max_num_seqs: 1", "max_num_seqs: 2").replace("batch: [1]", "batch: [1, 2]")
-    recipe.write_text(text)
-    pair = load_recipe(recipe).pairs[0]
+    b = tiny.bundle(recipe=SERVER_RECIPE)
+    pair = load_recipe(b.recipe).pairs[0]
     assert pair.serving.max_num_seqs == 2 and pair.buckets.batch == [1, 2]
-    build_bundle(pair, root / "bundle")
-    return root / "bundle"
+    return b.path
+
+
+def pytest_terminal_summary(terminalreporter):
+    for f in _factories:
+        if f.log:
+            terminalreporter.write_line(f"tiny fixtures (tests/fixtures): {sum(w == 'pair' for w, _, _ in f.log)} "
+                                        f"pairs, {sum(w == 'bundle' for w, _, _ in f.log)} bundles, "
+                                        f"{sum(s for _, _, s in f.log):.0f}s")
+            terminalreporter.write_line(f.summary())

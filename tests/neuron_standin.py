@@ -39,6 +39,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from eagle3_runtime.neuron import routing_signature, visible_cores
+
 VERSION = "0.0.0-standin"
 CHECKS = ("aliases", "collectives", "weights")  # the old per-graph torch_neuronx.trace path (strict=...)
 
@@ -122,8 +124,6 @@ def claim_cores(n: int) -> list[int]:
     total = int(os.environ.get("NEURON_RT_NUM_CORES", "8"))
     spec = os.environ.get("NEURON_RT_VISIBLE_CORES")
     if spec:
-        from eagle3_runtime.neuron import visible_cores
-
         visible = visible_cores(spec)
     else:
         visible = list(range(total))
@@ -208,10 +208,6 @@ def _signature_ok(module: torch.nn.Module) -> int:
 
 def _specs(named) -> dict[str, tuple[list[int], str]]:
     return {n: (list(t.shape), str(t.dtype)) for n, t in named}
-
-
-def _routing(example) -> str:
-    return str([list(t.shape) for t in example])
 
 
 # ------------------------------------------------------------------ torch_neuronx (old per-graph API)
@@ -336,7 +332,7 @@ class StandInModelBuilder:
                                for p in module.parameters()):
                             raise ValueError(f"{key} bucket {i}: an example input shares storage with a module "
                                              "Parameter; state and weights live on the device, never as inputs")
-                    sig = _routing(example)
+                    sig = routing_signature(example)
                     if sig in routes:
                         raise ValueError(f"{key} bucket {i} has the same input shapes {sig} as {routes[sig]}: NxD routes "
                                          "by input shapes alone and the later one would silently replace it")
@@ -467,7 +463,7 @@ class StandInNxDModel:
                              "sharded_checkpoint) or traced_model.nxd_model.initialize_with_saved_weights()")
         if any(not isinstance(x, torch.Tensor) for x in inputs):
             raise TypeError("NxDModel takes positional tensors only")
-        sig = _routing(inputs)
+        sig = routing_signature(inputs)
         match = [k for k, g in self.graphs.items() if g["route"] == sig]
         if not match:
             raise ValueError(f"Input shape {sig} not found in input_shape_map: {[g['route'] for g in self.graphs.values()]}")

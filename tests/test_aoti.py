@@ -14,31 +14,18 @@ PROMPT = "Once upon a time, in a land far away"
 MAX_TOKENS = 32
 
 
+AOTI_RECIPE = {"buckets": {"prefill": [64]}}  # 6 graphs per bundle
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from eagle3_build.testing.tiny import make_tiny_pair
-
-    root = tmp_path_factory.mktemp("aoti")
-    recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)
-    text = recipe.read_text().replace("prefill: [64, 128]", "prefill: [64]")  # 6 graphs per bundle
-    assert "prefill: [64]" in text
-    recipe.write_text(text)
-    hf_ref = {}
-    return {"root": root, "recipe": recipe, "ref": hf_ref}
+def world(tiny):
+    return {"tiny": tiny, "ref": {}}
 
 
-def build(world, backend: str, tp: int) -> Path:
-    out = world["root"] / f"{backend}-tp{tp}"
-    if not out.exists():
-        recipe = world["recipe"]
-        if tp != 1:
-            recipe = recipe.with_name(f"recipe-tp{tp}.yaml")
-            recipe.write_text(world["recipe"].read_text().replace("backend: export",
-                                                                  f"parallel: {{tp_degree: {tp}}}\n    backend: export"))
-        r = run_cli("eagle3-build", "compile", str(recipe), "--backend", backend, "--out", str(out), "--jobs", "2",
-                    "--no-verify", timeout=1500)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return out
+def build(world, backend: str, tp: int):
+    """The session's tiny pair (speculators, K 3) with one prefill bucket at TP `tp`, built by
+    `eagle3-build compile --backend BACKEND --jobs 2`."""
+    return world["tiny"].bundle(backend=backend, tp=tp, recipe=AOTI_RECIPE, jobs=2, cli=True)
 
 
 def reference(world, ids: list[int]) -> list[int]:
@@ -46,7 +33,7 @@ def reference(world, ids: list[int]) -> list[int]:
     if key not in world["ref"]:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(world["recipe"].parent / "target", dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(world["tiny"].pair().parent / "target", dtype=torch.float32)
         out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
         world["ref"][key] = out[0, len(ids):].tolist()
     return world["ref"][key]
@@ -61,7 +48,7 @@ def generate(bundle: Path, tp: int = 1) -> dict:
 
 @pytest.mark.slow  # the default run covers aoti through the TP-2 test below (same code path, plus collectives)
 def test_aoti_tp1_decodes_like_export_and_transformers(world):
-    aoti = build(world, "aoti", 1)
+    aoti = build(world, "aoti", 1).path
     m = json.loads((aoti / "manifest.json").read_text())
     assert m["backend"] == "aoti" and len(m["graphs"]) == 6
     assert m["toolchain"]["aoti_target"].startswith("cpu:")
@@ -73,14 +60,14 @@ def test_aoti_tp1_decodes_like_export_and_transformers(world):
     got = generate(aoti)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
-    exp = generate(build(world, "export", 1))
+    exp = generate(build(world, "export", 1).path)
     assert exp["token_ids"] == got["token_ids"]
 
 
 def test_aoti_tp2_under_torchrun(world):
     """Two ranks, each binding its own weights to the same native packages; the all-reduces inside
     the compiled code run under gloo. Greedy output == transformers."""
-    aoti = build(world, "aoti", 2)
+    aoti = build(world, "aoti", 2).path
     m = json.loads((aoti / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["tp_degree"] == 2 and len(m["models"]["target"]["weight_files"]) == 2
     assert m["toolchain"]["aoti_target"].startswith("cpu:")
@@ -96,7 +83,7 @@ def test_aoti_tp2_under_torchrun(world):
 def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):
     from eagle3_runtime.bundle import Bundle, BundleError
 
-    aoti = build(world, "aoti", 2)
+    aoti = build(world, "aoti", 2).path
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     with pytest.raises(BundleError, match="compiled against torch"):
         Bundle(aoti, rank=0)
@@ -106,12 +93,9 @@ def test_inductor_isa_probe_is_memoised_per_host(world):
     """Inductor's CPU ISA probe (~19 s per process: compile + dlopen a test program per ISA) ran once
     for the build above and was memoised in the compile cache; a compile then skips it only when the
     memo proved every ISA the CPU flags list (otherwise Inductor probes as usual)."""
-    import os
-
     from eagle3_build.backends.aoti import AotiBackend, host_vec_isa
 
-    build(world, "aoti", 2)
-    root = Path(os.environ["EAGLE3_BUILD_CACHE"])
+    root = build(world, "aoti", 2).cache  # the cache that build ran in
     memos = list((root / "host").glob("vec-isa-*.json"))
     assert len(memos) == 1, memos
     memo = json.loads(memos[0].read_text())

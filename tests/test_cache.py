@@ -34,15 +34,11 @@ def tree_bytes(root: Path, sub: str) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A tiny pair built once into a cold cache (every test below starts from a copy of that cache)."""
-    from eagle3_build.testing.tiny import make_tiny_pair
-
-    root = tmp_path_factory.mktemp("cache")
-    recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)
-    r, ev = compile_json(recipe, root / "b1", root / "cache-a")
-    assert r.returncode == 0, r.stderr
-    return {"recipe": recipe, "cache": root / "cache-a", "bundle": root / "b1", "events": ev}
+def world(built_bundle):
+    """The session's tiny pair (speculators, K 3), built once into a cold cache of its own (every test
+    below starts from a copy of that cache)."""
+    b = built_bundle()
+    return {"recipe": b.recipe, "cache": b.cache, "bundle": b.path, "events": list(b.events)}
 
 
 @pytest.fixture
@@ -92,10 +88,9 @@ def test_warm_rebuild_compiles_nothing_and_clean_builds_are_identical(world, pai
         Bundle(tmp_path / "b2")
 
 
-def test_changing_k_recompiles_only_graphs_whose_shapes_changed(world, pair, tmp_path):
+def test_changing_k_recompiles_only_graphs_whose_shapes_changed(world, tiny, tmp_path):
     cache = warm_cache(world, tmp_path)
-    k1 = pair.with_name("recipe-k1.yaml")
-    k1.write_text(pair.read_text().replace("num_speculative_tokens: 3", "num_speculative_tokens: 1"))
+    k1 = tiny.recipe(k=1)  # the same pair, num_speculative_tokens 1
     r, ev = compile_json(k1, tmp_path / "k1", cache)
     assert r.returncode == 0, r.stderr
     st = statuses(ev)

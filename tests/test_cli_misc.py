@@ -32,3 +32,25 @@ def test_inspect(tiny_bundles):
     assert "target_verify_b1" in r.stdout and "K 3" in r.stdout and "draft format speculators" in r.stdout
     r = run_cli("eagle3-build", "inspect", str(bundle_dir.parent / "nope"))
     assert r.returncode == 2 and "not a bundle" in " ".join(r.stderr.split())
+
+
+def test_help_lists_every_command_in_one_line():
+    """`eagle3-build --help` (and `cache --help`) name every command with a one-line summary, and the
+    module docstring of eagle3_build/cli.py lists every command."""
+    import typer
+
+    import eagle3_build.cli as cli
+
+    group = typer.main.get_command(cli.app)
+    shown = run_cli("eagle3-build", "--help").stdout
+    for name, cmd in group.commands.items():
+        summary = cmd.help.split("\n\n")[0].strip()
+        assert "\n" not in summary and len(summary) <= 110, (name, summary)
+        assert name in cli.__doc__, name
+        line = next((ln for ln in shown.splitlines() if ln.lstrip("│ ").startswith(f"{name} ")), "")
+        assert summary in line, (name, line)
+    cache = group.commands["cache"]
+    shown = run_cli("eagle3-build", "cache", "--help").stdout
+    for name, cmd in cache.commands.items():
+        summary = cmd.help.split("\n\n")[0].strip()
+        assert "\n" not in summary and summary in shown and name in cli.__doc__, name

@@ -34,33 +34,17 @@ def torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProc
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return {"root": tmp_path_factory.mktemp("gpt-oss"), "pairs": {}, "bundles": {}, "hf": {}, "greedy": {}}
+def world(tiny, tmp_path_factory):
+    return {"tiny": tiny, "root": tmp_path_factory.mktemp("gpt-oss"), "hf": {}, "greedy": {}}
 
 
 def pair_dir(world, fmt: str) -> Path:
-    from eagle3_build.testing.tiny import make_tiny_pair
-
-    if fmt not in world["pairs"]:
-        world["pairs"][fmt] = make_tiny_pair(world["root"] / fmt, arch="gpt-oss", target_format=fmt).parent
-    return world["pairs"][fmt]
+    return world["tiny"].pair(arch="gpt-oss", target_format=fmt).parent
 
 
 def bundle_for(world, fmt: str, tp: int, padded: bool, k: int) -> Path:
-    from eagle3_build.build import build_bundle
-    from eagle3_build.recipe import load_recipe
-
-    key = (fmt, tp, padded, k)
-    if key not in world["bundles"]:
-        pair = load_recipe(pair_dir(world, fmt) / "recipe.yaml").pairs[0]
-        pair = pair.model_copy(update={
-            "parallel": pair.parallel.model_copy(
-                update={"tp_degree": tp, "padded_hidden_size": PADDED[fmt] if padded else None}),
-            "speculation": pair.speculation.model_copy(update={"num_speculative_tokens": k})})
-        out = world["root"] / "bundles" / "-".join(map(str, key))
-        build_bundle(pair, out)
-        world["bundles"][key] = out
-    return world["bundles"][key]
+    return world["tiny"].bundle(arch="gpt-oss", target_format=fmt, tp=tp, padded=PADDED[fmt] if padded else None,
+                                k=k).path
 
 
 def hf_target(world, fmt: str):
@@ -69,7 +53,7 @@ def hf_target(world, fmt: str):
 
     if fmt not in world["hf"]:
         m = AutoModelForCausalLM.from_pretrained(pair_dir(world, fmt) / "target", dtype=torch.float32)
-        m.set_experts_implementation("eager")  # REFERENCE §7: the default grouped_mm kernel fails on CPU
+        m.set_experts_implementation("eager")  # the default grouped_mm kernel fails on CPU
         assert m.config._attn_implementation == "eager"
         world["hf"][fmt] = m.eval()
     return world["hf"][fmt]
@@ -94,7 +78,7 @@ def local_target(d: Path):
 # ------------------------------------------------------------------ MXFP4
 
 def mxfp4_from_spec(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """REFERENCE §3, written out: LUT, low nibble first, ldexp(v, scale - 127), [E, R, G*32] -> [E, in, out]."""
+    """MXFP4 as transformers' convert_moe_packed_tensors reads it, written out: LUT, low nibble first, ldexp(v, scale - 127), [E, R, G*32] -> [E, in, out]."""
     lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.bfloat16)
     vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
     vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None].to(torch.bfloat16))
@@ -128,11 +112,9 @@ def test_mxfp4_dequantization_is_transformers_exactly(tmp_path):
     assert torch.equal(convert_moe_packed_tensors(b2, s2, dtype=torch.bfloat16), ref)
 
 
-def test_mxfp4_checkpoint_reads_as_the_bf16_one(world, tmp_path):
+def test_mxfp4_checkpoint_reads_as_the_bf16_one(world):
     """Same seed and hidden (96): the MXFP4 twin's dequantized experts are its BF16 twin's, bit for bit."""
-    from eagle3_build.testing.tiny import make_tiny_pair
-
-    bf16 = make_tiny_pair(tmp_path / "bf16", arch="gpt-oss", hidden_size=96).parent
+    bf16 = world["tiny"].pair(arch="gpt-oss", hidden_size=96).parent
     t_bf, t_mx = (local_target(d / "target") for d in (bf16, pair_dir(world, "mxfp4")))
     assert t_mx.args == t_bf.args and t_mx.args.ARCH == "gpt_oss"
     assert sorted(t_mx.tensors.names()) == sorted(t_bf.tensors.names())
@@ -252,7 +234,7 @@ def test_moe_routed_and_dense_paths_agree():
 
 # ------------------------------------------------------------------ 120B: configs only
 
-GPT_OSS_120B = {  # openai/gpt-oss-120b config.json (REFERENCE §3)
+GPT_OSS_120B = {  # openai/gpt-oss-120b config.json
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
     "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
     "num_key_value_heads": 8, "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
@@ -265,9 +247,18 @@ GPT_OSS_120B = {  # openai/gpt-oss-120b config.json (REFERENCE §3)
 }
 
 
-def test_120b_weight_bytes_per_rank():
-    from eagle3_build.models.gpt_oss import weight_bytes_per_rank
+def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = None, dtype=torch.bfloat16) -> int:
+    """Bytes one rank's target weights file holds: the parameters of the rank-local model the build makes."""
+    from eagle3_build.models.gpt_oss import GptOss, gpt_oss_args
+    from eagle3_build.models.llama import llama_layout
 
+    a = gpt_oss_args(config, "target")
+    with torch.device("meta"):
+        m = GptOss(a, (), llama_layout(a, tp, padded_hidden))
+    return sum(p.numel() for p in m.parameters()) * (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
+
+
+def test_120b_weight_bytes_per_rank():
     params = weight_bytes_per_rank(GPT_OSS_120B, tp=1, dtype="bfloat16") / 2
     assert abs(params / 116.83e9 - 1) < 0.005  # GPT-OSS-120B: 116.8B parameters
     per_rank = weight_bytes_per_rank(GPT_OSS_120B, tp=16, padded_hidden=3072, dtype=torch.bfloat16)

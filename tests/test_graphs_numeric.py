@@ -1,5 +1,6 @@
 """Graph modules vs independent references: the target vs transformers (logits + aux states), the
-draft vs a from-the-spec EAGLE3 forward (REFERENCE §1) for every norm flag combination."""
+draft vs an EAGLE3 forward written from the spec (the EAGLE-3 paper, arXiv:2503.01840, and vLLM's
+vllm/model_executor/models/llama_eagle3.py) for every norm flag combination."""
 import itertools
 
 import pytest
@@ -83,7 +84,7 @@ def rope(x, pos, theta=10000.0):  # x [T, h, d]
 
 
 def ref_draft(w, flags, xs, next_tokens, positions, past=None):
-    """EAGLE3 draft forward over a sequence, written from REFERENCE §1. xs: fc output or recurrent
+    """EAGLE3 draft forward over a sequence, written from the spec (module doc). xs: fc output or recurrent
     hidden per position; past: (k, v) of earlier positions. Returns out, token, (k, v)."""
     e = w["embed_tokens.weight"][next_tokens]
     en, xn = rms(e, w["midlayer.input_layernorm.weight"]), rms(xs, w["midlayer.hidden_norm.weight"])

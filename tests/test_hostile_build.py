@@ -20,12 +20,12 @@ CODE = "import sys; from eagle3_build.cli import main; sys.argv[0] = 'eagle3-bui
 
 
 @pytest.fixture(scope="module")
-def world(tiny_bundles):
+def world(built_bundle):
     """The session's tiny pair and its bundle (a clean build), and the compile cache it was built in
     (read only: every build here gets a cache of its own)."""
-    pair, ref = tiny_bundles.get("speculators", 3)
-    manifest = json.loads((ref / "manifest.json").read_text())
-    return {"recipe": pair / "recipe.yaml", "ref": ref, "cache": Path(os.environ["EAGLE3_BUILD_CACHE"]),
+    b = built_bundle()
+    manifest = b.manifest
+    return {"recipe": b.recipe, "ref": b.path, "cache": b.cache,
             "digest": manifest["digest"], "keys": {g["name"]: g["key"] for g in manifest["graphs"]}}
 
 
@@ -257,7 +257,7 @@ def test_death_between_the_two_renames_is_recovered(world, tmp_path, monkeypatch
     def no_exchange(a, b):
         raise OSError(22, "not supported here")
 
-    monkeypatch.setattr(bundle, "_exchange", no_exchange)
+    monkeypatch.setattr(build, "_exchange", no_exchange)
     parent = tmp_path / "art"
     out = old_bundle(world, parent / "b")
     new = parent / ".b.tmp-new"

@@ -26,8 +26,8 @@ from eagle3_runtime.safe_pt2 import UnsafeArchive, check_archive
 
 
 @pytest.fixture(scope="module")
-def good(tiny_bundles) -> Path:
-    return tiny_bundles.get("speculators", 3)[1]
+def good(built_bundle) -> Path:
+    return built_bundle().path  # the session's tiny pair (speculators, K 3); tests break copies of it
 
 
 def digest_of(raw: dict) -> str:

@@ -19,22 +19,18 @@ from eagle3_build.checkpoints.load import load_draft, load_target
 from eagle3_build.checkpoints.sources import resolve
 from eagle3_build.errors import CheckpointError, UserError
 from eagle3_build.recipe import MAX_RECIPE_BYTES, MAX_YAML_NODES, RecipeError, load_recipe
-from eagle3_build.testing.tiny import make_tiny_pair
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """One speculators pair (safetensors draft) and one official-EAGLE pair (pytorch_model.bin), built once."""
-    root = tmp_path_factory.mktemp("hostile")
-    make_tiny_pair(root / "spec", draft_format="speculators")
-    make_tiny_pair(root / "eagle", draft_format="eagle")
-    return root
+def pairs(tiny_pair) -> dict[str, Path]:
+    """The session's speculators pair (safetensors draft) and official-EAGLE pair (pytorch_model.bin)."""
+    return {"spec": tiny_pair(draft_format="speculators").parent, "eagle": tiny_pair(draft_format="eagle").parent}
 
 
 @pytest.fixture
-def pair(tiny, tmp_path) -> Path:
+def pair(pairs, tmp_path) -> Path:
     """A private copy of the speculators pair to break."""
-    return Path(shutil.copytree(tiny / "spec", tmp_path / "pair"))
+    return Path(shutil.copytree(pairs["spec"], tmp_path / "pair"))
 
 
 def recipe_pair(pair_dir: Path):
@@ -401,8 +397,8 @@ def test_invalid_safetensors_index(pair):
 
 # ------------------------------------------------------------------ official-EAGLE pickles
 
-def test_legacy_pytorch_model_bin_loads_with_allow_pickle(tiny, tmp_path):
-    pair_dir = Path(shutil.copytree(tiny / "eagle", tmp_path / "pair"))
+def test_legacy_pytorch_model_bin_loads_with_allow_pickle(pairs, tmp_path):
+    pair_dir = Path(shutil.copytree(pairs["eagle"], tmp_path / "pair"))
     bin_path = pair_dir / "draft" / "pytorch_model.bin"
     sd = torch.load(bin_path, weights_only=True)
     torch.save(sd, bin_path, _use_new_zipfile_serialization=False)  # the pre-1.6 (non-zip) format

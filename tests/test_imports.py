@@ -30,6 +30,8 @@ def module_files() -> dict[str, tuple[Path, bool]]:
     for pkg in PACKAGES:
         for p in (ROOT / pkg).rglob("*.py"):
             rel = p.relative_to(ROOT / pkg).with_suffix("").parts
+            if not all((ROOT / pkg).joinpath(*rel[:i], "__init__.py").exists() for i in range(len(rel))):
+                continue  # not a module of the package (a build/ left by pip, say)
             name = ".".join((pkg, *(x for x in rel if x != "__init__")))
             mods[name] = (p, p.name == "__init__.py")
     return mods

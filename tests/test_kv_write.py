@@ -15,6 +15,7 @@ from eagle3_build.graphs import GraphSpec, build_graph_module, step_inputs
 from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.gpt_oss import GptOss, GptOssArgs
 from eagle3_build.models.llama import Llama, LlamaArgs
+from eagle3_build.models.weights import weight_tensors
 
 K, B, S = 2, 2, 64
 LLAMA = LlamaArgs(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -34,15 +35,20 @@ def _models():
         return {"llama": Llama(LLAMA, (0, 1, 2)), "gpt_oss": GptOss(GPT_OSS, (0, 1, 1)), "draft": Eagle3Draft(DRAFT)}
 
 
-def _export(model, spec: GraphSpec):
+def _example(model, spec: GraphSpec):
     module, names = build_graph_module(spec, model)
-    local = dict(model.named_parameters()) | dict(model.named_buffers())
+    local = weight_tensors(model)
     weights = tuple(torch.empty(local[n].shape, dtype=local[n].dtype) for n in names)
     kv = torch.zeros(model.kv_shape(B, S))
     ins = step_inputs(spec, K=K, target_hidden=32, draft_hidden=32, dtype=torch.float32)
     example = tuple(torch.zeros(shape, dtype=dt) for _, shape, dt in ins)
+    return module, (weights, kv, *example)
+
+
+def _export(model, spec: GraphSpec):
+    module, args = _example(model, spec)
     # functionalized, as every backend lowers it (index_put_ -> index_put + the cache as mutated output)
-    return torch.export.export(module, (weights, kv, *example), strict=False).run_decompositions({})
+    return torch.export.export(module, args, strict=False).run_decompositions({})
 
 
 CASES = [(m, r) for m in ("llama", "gpt_oss") for r in ("target_prefill", "target_verify", "target_decode")]
@@ -69,3 +75,24 @@ def test_kv_cache_written_by_index_put_on_the_cache_itself(model_name, role):
             assert n.args[0].name == cur, f"index_put writes {n.args[0].name}, not the cache {cur}"
             cur = n.name
     assert cur == out_name
+
+
+@pytest.mark.parametrize("model_name,role", CASES)
+def test_role_modules_follow_the_contract_table(model_name, role):
+    """Each role module takes the inputs manifest.ROLES names (the runtime passes them by name) and
+    returns the outputs it lists, shapes and dtypes."""
+    import inspect
+
+    from eagle3_build.backends.base import output_specs
+    from eagle3_build.graphs import ROLE_MODULES
+    from eagle3_runtime.manifest import ROLES, dtype_name
+
+    contract = ROLES[role]
+    assert set(ROLE_MODULES) == set(ROLES)
+    params = list(inspect.signature(ROLE_MODULES[role].forward).parameters)[3:]  # after self, cache, rank
+    assert params == [p.name for p in contract.inputs]
+    spec = GraphSpec(role, 16 if role.endswith("prefill") else B)
+    module, args = _example(_models()[model_name], spec)
+    outs = [[shape, dtype_name(dt)] for shape, dt in output_specs(module, args)]
+    want = contract.output_specs(spec.bucket, K=K, target_hidden=32, draft_hidden=32, vocab=128, dtype="float32")
+    assert outs == [[shape, dt] for _, shape, dt in want]

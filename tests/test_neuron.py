@@ -113,12 +113,12 @@ def test_plan_refuses_env_flags(monkeypatch):
 # ------------------------------------------------------------------ runtime host checks
 
 def manifest_stub(tp=2, **tc):
-    toolchain = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1", "neuron_target": "trn2",
-                 "neuron_lnc": "2"} | tc
+    toolchain = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1",
+                 "neuronx_distributed": "0.18.0", "neuron_target": "trn2", "neuron_lnc": "2"} | tc
     return types.SimpleNamespace(toolchain=toolchain, tp_degree=tp)
 
 
-SAME = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1"}
+SAME = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1", "neuronx_distributed": "0.18.0"}
 
 
 def test_host_checks_name_the_fix():

@@ -3,10 +3,8 @@ and simulates SPMD: one ModelBuilder per model, one process for every rank, KV c
 
 Issue 18's failures of the design this replaced, one test each against that design (kept in
 tests/neuron_old_design.py), then the new design through the same checks."""
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -126,7 +124,7 @@ def test_torchrun_is_refused_with_the_command(standin_sdk, tmp_path):
 
 def old_design_graph(tmp_path, tp):
     """One graph (target_decode b1) as the replaced design exported it."""
-    from eagle3_build.backends import export
+    from eagle3_build.backends.export import ExportBackend
     from eagle3_build.build import build_models, load_pair, trace_graphs
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.compile.tracing import tracing_process_group
@@ -135,7 +133,7 @@ def old_design_graph(tmp_path, tp):
     pair = neuron_pair(tmp_path, tp).model_copy(update={"backend": "export"})
     bm = build_models(load_pair(pair))
     with tracing_process_group(tp):
-        (tg,) = list(trace_graphs(bm, export, CompileCache(tmp_path / "cache"), [GraphSpec("target_decode", 1)]))
+        (tg,) = list(trace_graphs(bm, ExportBackend(), CompileCache(tmp_path / "cache"), [GraphSpec("target_decode", 1)]))
     return tg.job.ep
 
 

@@ -13,14 +13,10 @@ from test_server import ServerProc
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    from eagle3_build.testing.tiny import make_tiny_pair
-
-    root = tmp_path_factory.mktemp("pipeline")
-    recipe = make_tiny_pair(root / "pair", num_speculative_tokens=3)
-    r, _ = compile_json(recipe, root / "single", root / "cache-single")  # the single-machine reference
-    assert r.returncode == 0, r.stderr
-    return {"root": root, "recipe": recipe, "single": root / "single"}
+def world(built_bundle, tmp_path_factory):
+    """The session's tiny pair (speculators, K 3) and its bundle: the single-machine reference."""
+    b = built_bundle()
+    return {"root": tmp_path_factory.mktemp("pipeline"), "recipe": b.recipe, "single": b.path}
 
 
 def shard_cmd(recipe: Path, shard: str, cache: Path) -> subprocess.Popen:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_build.buckets import default_batch_buckets, default_prefill_buckets, pick_bucket
+from eagle3_build.buckets import default_batch_buckets, default_prefill_buckets
 from eagle3_build.recipe import PairRecipe, RecipeError, RecipeIssue, load_recipe, select_pair
+from eagle3_runtime.buckets import pick_bucket
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -101,7 +102,8 @@ def test_valid_recipe_round_trips_with_defaults(tmp_path):
     assert pair.parallel.tp_degree == 1 and pair.parallel.padded_hidden_size is None
     assert pair.buckets.prefill == [128, 256] and pair.buckets.batch == [1]
     assert pair.backend == "export" and pair.backend_options == {}
-    assert pair.verify.model_dump() == {"min_acceptance_length": None, "num_prompts": 4, "max_tokens": 32}
+    assert pair.verify.model_dump() == {"min_acceptance_length": None, "num_prompts": 4, "max_tokens": 32,
+                                        "chat": False}
     dumped = pair.model_dump(mode="json")
     assert PairRecipe.model_validate(dumped) == pair
     assert select_pair(recipe, None) == [pair]
@@ -268,6 +270,26 @@ def test_max_model_len_not_above_k(tmp_path):
     path = write(tmp_path, text)
     assert_issue(load_err(path), path, line_no(text, "max_model_len"), "pairs[0].serving.max_model_len",
                  "greater than speculation.num_speculative_tokens")
+
+
+def test_max_model_len_must_leave_room_for_a_round(tmp_path):
+    """K + 1 is refused too (the engine could never speculate, the runtime's manifest refuses it); K + 2 loads."""
+    from eagle3_build.recipe import min_max_model_len
+
+    assert min_max_model_len(3) == 5
+    text = BASE.replace("max_model_len: 256", "max_model_len: 4")
+    path = write(tmp_path, text)
+    assert_issue(load_err(path), path, line_no(text, "max_model_len"), "pairs[0].serving.max_model_len",
+                 "greater than speculation.num_speculative_tokens + 1 (4), got 4")
+    assert load_recipe(write(tmp_path, BASE.replace("max_model_len: 256", "max_model_len: 5"))).pairs[0]
+
+
+def test_verify_defaults_are_one_definition(tmp_path):
+    from eagle3_build.recipe import VERIFY_DEFAULTS, VerifySettings
+
+    assert load_recipe(write(tmp_path, BASE)).pairs[0].verify == VERIFY_DEFAULTS == VerifySettings()
+    chat = load_recipe(write(tmp_path, BASE + "    verify:\n      chat: true\n")).pairs[0].verify
+    assert chat == VerifySettings(chat=True)
 
 
 def test_batched_tokens_above_max_model_len(tmp_path):

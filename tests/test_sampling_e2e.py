@@ -251,10 +251,9 @@ def _fmt(res) -> str:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """Writes the target, the two drafts and a recipe; builds one bundle per draft; returns
-    {"engines": {name: Engine}, "exact": [P(x1), P(x2), P(x3)]}."""
-    from eagle3_build.build import build_bundle
+def pair(tmp_path_factory, tiny):
+    """Writes the target, the two drafts and a recipe; builds one bundle per draft (through the session's
+    fixture factory); returns {"engines": {name: Engine}, "exact": [P(x1), P(x2), P(x3)]}."""
     from eagle3_build.recipe import load_recipe
     from eagle3_runtime.bundle import Bundle
     from eagle3_runtime.engine import Engine
@@ -279,8 +278,7 @@ def pair(tmp_path_factory):
 
     engines = {}
     for p in recipe.pairs:
-        build_bundle(p, root / "bundles" / p.name)
-        engines[p.name] = Engine(Bundle(root / "bundles" / p.name))
+        engines[p.name] = Engine(Bundle(tiny.bundle_of(root / "recipe.yaml", pair=p.name).path))
     print(f"\n[e2e sampling] pair + 2 bundles built and loaded in {time.perf_counter() - t0:.1f}s")
     print("exact P(x1..x3) (last = stopped): " +
           " | ".join("[" + " ".join(f"{v:.3f}" for v in m.tolist()) + "]" for m in exact))

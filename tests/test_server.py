@@ -93,22 +93,22 @@ def test_concurrent_streams_match_solo_greedy(server):
         assert out[p][1] == solo[p]["text"], p
 
 
-def test_solo_greedy_matches_transformers(server, bundle):
+def test_solo_greedy_matches_transformers(server, tiny_pair):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = bundle.parent / "pair" / "target"
+    target = tiny_pair().parent / "target"  # the `bundle` fixture's pair
     hf, tok = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), AutoTokenizer.from_pretrained(target)
     ids = tok(PROMPTS[1])["input_ids"]
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
     assert complete(server.url, prompt=PROMPTS[1], max_tokens=24)["choices"][0]["token_ids"] == ref
 
 
-def test_chat_applies_template(server, bundle):
+def test_chat_applies_template(server, tiny_pair):
     from transformers import AutoTokenizer
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
-    tok = AutoTokenizer.from_pretrained(bundle.parent / "pair" / "target")
+    tok = AutoTokenizer.from_pretrained(tiny_pair().parent / "target")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
@@ -235,16 +235,12 @@ def test_queue_full_503(bundle):
         s.stop()
 
 
-def test_tp2_server_under_torchrun(bundle, server):
+def test_tp2_server_under_torchrun(built_bundle, server):
     """A TP-2 bundle served by torchrun (rank 0 serves HTTP, rank 1 follows): concurrent requests,
     one finishing early so the other's KV row moves (a broadcast row copy), match TP 1 solo greedy."""
-    from eagle3_build.build import build_bundle
-    from eagle3_build.recipe import load_recipe
+    from conftest import SERVER_RECIPE
 
-    pair = load_recipe(bundle.parent / "pair" / "recipe.yaml").pairs[0]
-    pair = pair.model_copy(update={"parallel": pair.parallel.model_copy(update={"tp_degree": 2})})
-    tp2 = bundle.parent / "bundle-tp2"
-    build_bundle(pair, tp2)
+    tp2 = built_bundle(recipe=SERVER_RECIPE, tp=2).path  # the `bundle` fixture's pair and recipe, at TP 2
     solo = {p: complete(server.url, prompt=p, max_tokens=n)["choices"][0]["token_ids"]
             for p, n in ((PROMPTS[0], 6), (PROMPTS[1], 40))}
     s = ServerProc(tp2, torchrun=2)

@@ -1,4 +1,4 @@
-"""Padding and sharding rules, one by one (REFERENCE §4)."""
+"""Padding and sharding rules, one by one."""
 import math
 
 import pytest
@@ -9,17 +9,18 @@ from eagle3_build.errors import UserError
 from eagle3_build.models.layout import Layout
 from eagle3_build.models.llama import RMSNorm
 from eagle3_build.sharding import (StreamingSafetensorsWriter, check_tp, kv_heads_for_rank, pad_chunks, pad_dim,
-                                   shard_even, shard_kv, shard_vocab, tensor_plan, unpad_chunks, unpad_dim,
-                                   valid_tp_degrees)
+                                   shard_even, shard_kv, shard_vocab, tensor_plan, valid_tp_degrees)
 
 Hu, Hp = 90, 96
 
 
-def test_pad_unpad_identity():
+def test_padding_appends_zeros():
     t = torch.randn(7, Hu)
-    assert torch.equal(unpad_dim(pad_dim(t, 1, Hp), 1, Hu), t)
-    f = torch.randn(5, 3 * Hu)
-    assert torch.equal(unpad_chunks(pad_chunks(f, 1, 3, Hp), 1, 3, Hu), f)
+    p = pad_dim(t, 1, Hp)
+    assert p.shape == (7, Hp) and torch.equal(p[:, :Hu], t) and not p[:, Hu:].any()
+    f = torch.randn(5, 3 * Hu)  # fc's three aux chunks: each padded at its own end
+    c = pad_chunks(f, 1, 3, Hp).view(5, 3, Hp)
+    assert torch.equal(c[:, :, :Hu], f.view(5, 3, Hu)) and not c[:, :, Hu:].any()
 
 
 def layout(tp=1, vocab=10, **kw):

@@ -1,9 +1,9 @@
-"""Tests for eagle3_build.tiny: the tiny random Llama target + EAGLE3 draft pairs.
+"""Tests for eagle3_build.testing.tiny: the tiny random Llama target + EAGLE3 draft pairs.
 
 Besides file layout, the tests check that the pair has the intended structure: the target mostly (not
 always) continues token t with f(t) = perm[t], and an independent pure-PyTorch EAGLE3 draft forward
-(REFERENCE §1, written here from the on-disk files and configs only) proposes the target's actual
-token two steps ahead for a clear majority of positions but not all of them.
+(the EAGLE-3 draft of arXiv:2503.01840, written here from the on-disk files and configs only) proposes
+the target's actual token two steps ahead for a clear majority of positions but not all of them.
 """
 
 from __future__ import annotations
@@ -252,6 +252,11 @@ def test_recipe_options(tmp_path):
         make_tiny_pair(tmp_path / "x", draft_format="medusa")
     with pytest.raises(ValueError):
         make_tiny_pair(tmp_path / "y", dtype="int8")
+    from eagle3_build.recipe import min_max_model_len  # the recipe's rule, not a copy of it
+
+    lo = min_max_model_len(3)
+    with pytest.raises(ValueError, match=rf"max_model_len must be in \[{lo}, "):
+        make_tiny_pair(tmp_path / "z", num_speculative_tokens=3, max_model_len=lo - 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,7 +341,7 @@ def test_target_follows_f_mostly(hidden, struct_generations):
 
 
 # --------------------------------------------------------------------------------------------------
-# independent EAGLE3 draft reference (REFERENCE §1)
+# independent EAGLE3 draft reference (EAGLE-3, arXiv:2503.01840), from the on-disk files only
 # --------------------------------------------------------------------------------------------------
 def _aux_ids(cfg: dict, fmt: str) -> tuple[int, int, int]:
     """Effective aux ids (input of target layer k), from the draft config alone."""

@@ -29,27 +29,14 @@ def torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProc
 
 
 @pytest.fixture(scope="module")
-def tp_world(tmp_path_factory):
-    from eagle3_build.testing.tiny import make_tiny_pair
-
-    root = tmp_path_factory.mktemp("tp")
-    recipe = make_tiny_pair(root / "pair", draft_format="speculators", hidden_size=HIDDEN)
-    return {"root": root, "pair": recipe.parent, "bundles": {}, "ref": None}
+def tp_world(tiny, tmp_path_factory):
+    return {"tiny": tiny, "root": tmp_path_factory.mktemp("tp"), "pair": tiny.pair(hidden_size=HIDDEN).parent,
+            "ref": None}
 
 
 def bundle_for(world, tp: int, padded: bool) -> Path:
-    from eagle3_build.build import build_bundle
-    from eagle3_build.recipe import load_recipe
-
-    key = (tp, padded)
-    if key not in world["bundles"]:
-        pair = load_recipe(world["pair"] / "recipe.yaml").pairs[0]
-        pair = pair.model_copy(update={"parallel": pair.parallel.model_copy(
-            update={"tp_degree": tp, "padded_hidden_size": PADDED if padded else None})})
-        out = world["root"] / f"tp{tp}-{'padded' if padded else 'plain'}"
-        build_bundle(pair, out)
-        world["bundles"][key] = out
-    return world["bundles"][key]
+    """The session's speculators pair with hidden 92, at TP `tp`, padded to 96 or not."""
+    return world["tiny"].bundle(hidden_size=HIDDEN, tp=tp, padded=PADDED if padded else None).path
 
 
 def role_outputs(bundle: Path, tp: int, out: Path) -> dict[str, torch.Tensor]:
@@ -110,8 +97,7 @@ def test_tp_not_dividing_heads_is_refused(tp_world, tmp_path):
     from eagle3_build.errors import UserError
     from eagle3_build.recipe import load_recipe
 
-    pair = load_recipe(tp_world["pair"] / "recipe.yaml").pairs[0]
-    pair = pair.model_copy(update={"parallel": pair.parallel.model_copy(update={"tp_degree": 3})})
+    pair = load_recipe(tp_world["tiny"].recipe(hidden_size=HIDDEN, tp=3)).pairs[0]
     with pytest.raises(UserError, match="valid tp degrees: 1, 2, 4"):
         build_bundle(pair, tmp_path / "b")
     assert not (tmp_path / "b").exists()

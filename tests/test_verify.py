@@ -1,5 +1,6 @@
-"""eagle3-build verify: the intact tiny pair passes; each fault that silently collapses acceptance in
-other engines (REFERENCE §2) makes it fail with the matching hint; a lossless break is located.
+"""eagle3-build verify: the intact tiny pair passes; each fault that silently collapses acceptance while
+the output stays lossless (d2t misread, lm_head replaced, fc zeroed, aux layer ids shifted,
+norm_before_residual flipped) makes it fail with the matching hint; a lossless break is located.
 
 The pair is ``make_tiny_pair(..., sensitive_draft=True)``: a structured (non-random) draft that, like a
 trained one, works only with its own aux layer ids and norm_before_residual. Each fault is injected
@@ -280,6 +281,7 @@ def test_cli_verify(pairs, monkeypatch):
         calls.append(kw)
         return pairs.report("fc_zero" if "fc_zero" in str(bundle) else "intact")
 
+    pairs.report("intact"), pairs.report("fc_zero")  # real reports first: `fake` hands them back
     monkeypatch.setattr(verify, "verify_bundle", fake)
     runner = CliRunner()
     ok = runner.invoke(app, ["verify", str(pairs.bundle("intact")), "--num-prompts", "2", "--max-tokens", "16",
@@ -287,7 +289,7 @@ def test_cli_verify(pairs, monkeypatch):
     assert ok.exit_code == 0, ok.output
     assert calls[-1] | {"progress": None} == {
         "prompts": Path("p.txt"), "num_prompts": 2, "max_tokens": 16, "min_acceptance_length": 1.1,
-        "target_source": None, "reference_dtype": "float32", "chat": False, "progress": None}
+        "target_source": None, "reference_dtype": "float32", "chat": None, "progress": None}  # None: verify.chat
     for s in ("Mean acceptance length", "Per-position acceptance rate", "position 0", "identical", "gate",
               "PASSED"):
         assert s in ok.output, ok.output

@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from ..errors import UserError
 from ..files import atomic_write
 from ..recipe import check_backend_options
+from .base import Backend
 from .pt2 import set_serialization_id
 
 NAME = "aoti"
@@ -34,7 +35,7 @@ JOB_MEMORY_GB = 2.0  # Inductor + g++ per compile job (measured ~1.2 GB peak for
 DEVICES = ("cpu", "cuda")
 
 
-class AotiBackend:
+class AotiBackend(Backend):
     NAME, SUFFIX, JOB_MEMORY_GB = NAME, SUFFIX, JOB_MEMORY_GB
 
     def __init__(self, backend_options: dict):
@@ -64,11 +65,6 @@ class AotiBackend:
 
     def toolchain(self) -> dict[str, str]:
         return {"aoti_device": self.device, "aoti_target": self.target()}
-
-    def output_specs(self, module, example_args):
-        from .export import output_specs
-
-        return output_specs(module, example_args)
 
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per worker) before compiling: skip Inductor's per-process CPU ISA
@@ -142,7 +138,7 @@ def host_vec_isa(cache_root: Path) -> dict:
 
 
 def warm_up() -> None:
-    """What a compile worker imports while the build is still tracing (compiler.serve)."""
+    """What a compile worker imports while the build is still tracing (compile/worker.py serve)."""
     import torch._inductor.compile_fx  # noqa: F401
 
 

@@ -44,14 +44,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle3_runtime.manifest import PREFILL_ROLES, ROLE_MODEL
+from eagle3_runtime import manifest
+from eagle3_runtime.manifest import PREFILL_ROLES, ROLES
 from eagle3_runtime.neuron import KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, kv_move_inputs, routing_signature
 
 from ..errors import UserError
 from ..graphs import ROLE_MODULES, GraphSpec
 from ..models.llama import KVCache
 from ..recipe import check_backend_options
-from .base import NEURON_SDK, preflight
+from .base import NEURON_SDK, Backend, preflight
 
 NAME = "neuron"
 SUFFIX = ".pt"
@@ -72,7 +73,7 @@ ROLE_ARGS = {
 
 
 def role_kind(role: str) -> str:
-    return "context" if role in PREFILL_ROLES else "token"
+    return "context" if role in PREFILL_ROLES else "token"  # (kv_move: token)
 
 
 # ------------------------------------------------------------------ flags
@@ -104,10 +105,10 @@ def compiler_args(backend_options: dict, role: str, environ: dict | None = None)
     name, any -O level the other. NEURON_CC_FLAGS is never applied silently."""
     environ = os.environ if environ is None else environ
     per_role = backend_options.get("role_compiler_args") or {}
-    unknown = sorted(set(per_role) - set(ROLE_MODEL) - {KV_MOVE})
+    unknown = sorted(set(per_role) - set(ROLES) - {KV_MOVE})
     if unknown:
         raise UserError(f"backend_options.role_compiler_args: unknown role(s) {', '.join(unknown)}; the roles are "
-                        f"{', '.join([*ROLE_MODEL, KV_MOVE])}")
+                        f"{', '.join([*ROLES, KV_MOVE])}")
     env_flags = shlex.split(environ.get("NEURON_CC_FLAGS", ""))
     if env_flags and not backend_options.get("fold_env_flags", False):
         raise UserError(f"NEURON_CC_FLAGS is set ({' '.join(env_flags)!r}) and would change the compiled graphs "
@@ -311,7 +312,7 @@ def _no_checkpoint():
                        "ModelBuilder's checkpoint_loader is never used")
 
 
-class NeuronBackend:
+class NeuronBackend(Backend):
     """Bound to one recipe pair's options (flags are validated once, before any graph)."""
 
     NAME, SUFFIX = NAME, SUFFIX
@@ -321,7 +322,7 @@ class NeuronBackend:
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
-        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLE_MODEL, KV_MOVE]}
+        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE]}
         first = next(iter(self.role_args.values()))
         self.target = flag_value(first, "--target") or "trn2"
         self.lnc = int(flag_value(first, "--lnc") or 2)
@@ -334,10 +335,8 @@ class NeuronBackend:
         return self.versions["torch-neuronx"]
 
     def toolchain(self) -> dict[str, str]:
-        return {"neuronx_cc": self.versions["neuronx-cc"], "torch_neuronx": self.versions["torch-neuronx"],
-                "libneuronxla": self.versions["libneuronxla"],
-                "neuronx_distributed": self.versions["neuronx-distributed"], "neuron_target": self.target,
-                "neuron_lnc": str(self.lnc)}
+        versions = {key: self.versions[pip] for key, pip in manifest.NEURON_SDK.values()}
+        return {**versions, "neuron_target": self.target, "neuron_lnc": str(self.lnc)}
 
     JOB_MEMORY_GB = 16.0  # neuronx-cc on an 8B-class graph; plan/--jobs use it
 

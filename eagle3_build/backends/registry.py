@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 from ..recipe import check_backend_options
-from .base import preflight
+from .base import Backend, preflight
 
 
-def get_backend(name: str, options: dict | None = None):
+def get_backend(name: str, options: dict | None = None) -> Backend:
     preflight(name)
     check_backend_options(name, options)
     if name == "export":
-        from . import export
+        from .export import ExportBackend
 
-        return export
+        return ExportBackend(options or {})
     if name == "aoti":
         from .aoti import AotiBackend
 

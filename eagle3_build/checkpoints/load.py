@@ -3,8 +3,8 @@
 Targets: Llama-family and GPT-OSS (`gpt_oss`; MXFP4 experts dequantized to BF16 as they are read,
 one expert at a time). Sources: a local HF-style directory (config.json + model.safetensors or a
 sharded index), a GGUF file (dequantized through transformers + gguf), or `hf://org/model@rev`
-(huggingface_hub snapshot, the resolved commit recorded). Drafts come in three formats
-(REFERENCE §2): the official EAGLE release (`midlayer.*`, pytorch_model.bin), speculators
+(huggingface_hub snapshot, the resolved commit recorded). Drafts come in three on-disk
+formats: the official EAGLE release (`midlayer.*`, pytorch_model.bin), speculators
 (`layers.0.*`, nested config) and SpecForge (`midlayer.*`, safetensors, aux ids = output-of-layer).
 """
 from __future__ import annotations
@@ -110,24 +110,31 @@ class TargetCheckpoint:
     tensors: TensorSource  # canonical names (no `model.` prefix); MXFP4 experts appear dequantized
     eos_token_ids: list[int]
     bos_token_id: int | None
+    meta_models: dict = field(default_factory=dict, repr=False, compare=False)  # layout -> model (pair.build_target)
 
 
 LLAMA_TYPES = {"llama"}
 TARGET_ARGS = {"llama": llama_args, "gpt_oss": gpt_oss_args}  # model_type -> config parser
 
 
-def _eos_ids(directory: Path, cfg: dict) -> list[int]:
-    gen = directory / "generation_config.json"
-    eos = None
-    if gen.exists():
-        gen_cfg = read_json(gen, "target")
-        check_fields(gen_cfg, GENERATION_FIELDS, f"target {gen}")
-        eos = gen_cfg.get("eos_token_id")
+def eos_token_ids(config: dict, generation_config: dict | None = None) -> list[int]:
+    """The eos rule: generation_config's eos_token_id when it sets one, else config.json's; either
+    may be one id or a list."""
+    eos = (generation_config or {}).get("eos_token_id")
     if eos is None:
-        eos = cfg.get("eos_token_id")
+        eos = config.get("eos_token_id")
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def _eos_ids(directory: Path, cfg: dict) -> list[int]:
+    gen = directory / "generation_config.json"
+    gen_cfg = None
+    if gen.exists():
+        gen_cfg = read_json(gen, "target")
+        check_fields(gen_cfg, GENERATION_FIELDS, f"target {gen}")
+    return eos_token_ids(cfg, gen_cfg)
 
 
 def load_target(src: ResolvedSource) -> TargetCheckpoint:
@@ -174,8 +181,7 @@ def _load_gguf_target(src: ResolvedSource) -> TargetCheckpoint:
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
     gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) or cfg.get("eos_token_id")
-    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    eos_ids = eos_token_ids(cfg, {"eos_token_id": getattr(gen, "eos_token_id", None)})
     return TargetCheckpoint(src, cfg, llama_args(cfg, "target"), dict_source(sd, str(path)), eos_ids,
                             cfg.get("bos_token_id"))
 
@@ -191,6 +197,7 @@ class DraftCheckpoint:
     tensors: TensorSource  # canonical names
     has_embed: bool
     notes: list[str] = field(default_factory=list)
+    meta_models: dict = field(default_factory=dict, repr=False, compare=False)  # layout -> model (pair.build_draft)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

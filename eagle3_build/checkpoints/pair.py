@@ -1,34 +1,46 @@
 """Pair checks: refuse a target/draft pair that would load but silently collapse acceptance.
 
-Each refusal is one line naming the problem and what to do (REFERENCE §2, last paragraph).
+Each refusal is one line naming the problem and what to do: a missing or misread d2t, a replaced
+draft lm_head, a skipped fc, shifted aux layer ids — the usual causes of collapsed acceptance.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import PairError
-from ..models.eagle3 import Eagle3Draft
+from ..models.eagle3 import Eagle3Draft, draft_layout
 from ..models.gpt_oss import GptOss, GptOssArgs
-from ..models.llama import Llama
+from ..models.llama import Llama, llama_layout
+from ..models.weights import weight_tensors
 from .load import DraftCheckpoint, TargetCheckpoint
 
 
 def meta_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
-    out = {n: list(p.shape) for n, p in model.named_parameters()}
-    out.update({n: list(b.shape) for n, b in model.named_buffers() if n == "d2t"})
-    return out
+    return {n: list(t.shape) for n, t in weight_tensors(model).items()}
 
 
 def build_target(t: TargetCheckpoint, aux_layer_ids, layout=None) -> Llama | GptOss:
-    """The target on the meta device (rank-local shapes when `layout` shards/pads it)."""
-    cls = GptOss if isinstance(t.args, GptOssArgs) else Llama
-    with torch.device("meta"):
-        return cls(t.args, tuple(aux_layer_ids), layout)
+    """The target on the meta device (rank-local shapes when `layout` shards/pads it), built once per
+    layout and shared by the checks, `plan` and the build (the aux ids only pick which states its
+    forward returns, so they are set on the shared model)."""
+    layout = layout or llama_layout(t.args, 1)
+    model = t.meta_models.get(layout)
+    if model is None:
+        cls = GptOss if isinstance(t.args, GptOssArgs) else Llama
+        with torch.device("meta"):
+            model = t.meta_models[layout] = cls(t.args, tuple(aux_layer_ids), layout)
+    model.aux_layer_ids = tuple(aux_layer_ids)
+    return model
 
 
 def build_draft(d: DraftCheckpoint, layout=None) -> Eagle3Draft:
-    with torch.device("meta"):
-        return Eagle3Draft(d.args, layout)
+    """The draft on the meta device, built once per layout (as build_target)."""
+    layout = layout or draft_layout(d.args, 1)
+    model = d.meta_models.get(layout)
+    if model is None:
+        with torch.device("meta"):
+            model = d.meta_models[layout] = Eagle3Draft(d.args, layout)
+    return model
 
 
 def check_target(t: TargetCheckpoint) -> None:

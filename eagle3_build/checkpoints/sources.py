@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from eagle3_runtime.manifest import DTYPE_BYTES, SAFETENSORS_CODES
+
 from ..errors import CheckpointError
 from ..recipe import SourceSpec
 
@@ -98,9 +100,11 @@ def _read_safetensor(path: Path, name: str, rows: tuple[int, int] | None = None)
 # ------------------------------------------------------------------ safetensors headers
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
-# safetensors dtype -> bytes per element (every dtype torch reads whole bytes of)
-ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+# safetensors dtype -> bytes per element (every dtype torch reads whole bytes of): the manifest's
+# dtypes, plus those a foreign checkpoint may hold
+ST_DTYPES = {code: DTYPE_BYTES[name] for name, code in SAFETENSORS_CODES.items()} | {
+    "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F64": 8,
+    "C64": 8}
 
 
 def safetensors_header(path: Path) -> dict[str, list[int]]:

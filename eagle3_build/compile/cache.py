@@ -21,8 +21,9 @@ Layout under `$EAGLE3_BUILD_CACHE` (default `~/.cache/eagle3-build`):
 
 Entries are written in `tmp/` and renamed into place (atomic on one filesystem, so several builders
 can share one cache directory, e.g. NFS or a CI cache, and readers need no lock). A hit is
-re-hashed before use; a corrupt entry is dropped and recompiled. A build removes the `tmp/`
-directories of builders that were killed (see `stale`), never those of a build still running.
+re-hashed before use; a corrupt entry is dropped and recompiled. A build, `cache prune` and `cache
+clear` remove only the `tmp/` directories of builders that were killed (see `stale`), never those of a
+build still running nor anything in `tmp/` this tool did not name.
 """
 from __future__ import annotations
 
@@ -55,9 +56,24 @@ def default_cache_dir() -> Path:
 
 # ------------------------------------------------------------------ scratch directories
 
-# Every temporary directory this tool makes carries its owner in its name, "<pid>-<host>" (the host as
-# a short hash), so that a later build can tell a killed build's leftovers from a running build's work.
-HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+# Every temporary directory this tool makes carries its owner in its name, "<pid>-<host>", so that a later
+# build can tell a killed build's leftovers from a running build's work. <host> is a short hash of where
+# that pid means something: the host name, the machine id and the pid namespace (a container sharing the
+# host's name and the cache has pids of its own).
+
+
+def host_tag(hostname: str, machine_id: str, pid_namespace: str) -> str:
+    return hashlib.sha256(f"{hostname}\0{machine_id}\0{pid_namespace}".encode()).hexdigest()[:8]
+
+
+def _read(path: str, link: bool = False) -> str:
+    try:
+        return os.readlink(path) if link else Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+HOST = host_tag(socket.gethostname(), _read("/etc/machine-id"), _read("/proc/self/ns/pid", link=True))
 
 
 def owner_tag() -> str:
@@ -68,7 +84,7 @@ def stale(path: Path, pid: int, host: str, before: float) -> bool:
     """Whether a scratch directory owned by (`pid`, `host`) is a dead build's: made on this host by a
     process that is gone, and last changed before `before` (the start of the build that asks). Another
     host's directories are never stale here (its pids mean nothing on this one)."""
-    if host != HOST or pid == os.getpid():
+    if host != HOST or pid == os.getpid() or not 0 < pid < 2**31:  # (no pid of ours is 0 or that large)
         return False
     try:
         if path.lstat().st_mtime >= before:
@@ -247,9 +263,15 @@ class CompileCache:
         meta = {**meta, "key": key, "files": files, "created": time.time()}
         (staged / ENTRY).write_text(json.dumps(meta, indent=2, sort_keys=True))
         final = self._dir(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.rename(staged, final)
+            for attempt in (0, 1):  # (a concurrent `cache clear` may remove graphs/<k[:2]>/ in between)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.rename(staged, final)
+                    break
+                except FileNotFoundError:
+                    if attempt or not staged.is_dir():
+                        raise
         except OSError:  # another builder stored the same key meanwhile: keep theirs
             shutil.rmtree(staged, ignore_errors=True)
             existing = self.get(key)
@@ -339,8 +361,15 @@ class CompileCache:
             return 0.0
 
     def clear(self) -> int:
+        """Remove every entry, trace memo and failure record; of `tmp/`, only what `clean_tmp` removes
+        (another build's staging directories stay: it is still writing into them)."""
         self._timings = None
         n = len(self.entries())
-        for sub in ("graphs", "traces", "failures", "tmp", "host"):
+        for sub in ("graphs", "traces", "failures", "host"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
+        self.clean_tmp(time.time())
+        try:
+            (self.root / "tmp").rmdir()  # (only when empty)
+        except OSError:
+            pass
         return n

@@ -141,7 +141,7 @@ class Scheduler:
     def start_prepare(self) -> None:
         """Backend set-up shared by every compile of this build (aoti: the host's CPU ISA probe, up to
         ~20 s of g++ runs the first time), in a thread so that it overlaps the tracing of the graphs."""
-        if self._prep is None and hasattr(self.backend, "prepare") and not self.require_cached:
+        if self._prep is None and not self.require_cached:
             self._prep = threading.Thread(target=self.backend.prepare, args=(self.cache.root,), daemon=True)
             self._prep.start()
 

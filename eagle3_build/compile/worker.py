@@ -28,8 +28,7 @@ def run_task(staging: Path, backends: dict) -> int:
         ident = json.dumps([task["backend"], task["backend_options"], task["cache_root"]], sort_keys=True)
         if ident not in backends:
             backend = backends[ident] = get_backend(task["backend"], task["backend_options"])
-            if hasattr(backend, "prepare"):
-                backend.prepare(Path(task["cache_root"]))
+            backend.prepare(Path(task["cache_root"]))
         backend = backends[ident]
         with tracing_process_group(task["tp"]):
             ep = torch.export.load(staging / "input.pt2")
@@ -73,7 +72,7 @@ def serve(backend: str) -> int:
 
         from .. import graphs  # noqa: F401  (torch, the models)
 
-        module = importlib.import_module(f"{__package__}.backends.{backend}")
+        module = importlib.import_module(f"..backends.{backend}", __package__)
         if hasattr(module, "warm_up"):
             module.warm_up()
     except Exception:  # reported by the first task that needs it

@@ -2,7 +2,8 @@
 
 Same interface as `Llama`, so the role modules of graphs.py drive it unchanged:
 forward(tokens, positions, cache, rows, prefill, rank) -> (last hidden, aux), logits(h), kv_shape(B, L).
-Canonical weight names are the HF names without `model.`. What differs from Llama (REFERENCE §3):
+Canonical weight names are the HF names without `model.`. What differs from Llama (as in
+transformers' models/gpt_oss/modeling_gpt_oss.py):
 
 * q/k/v/o biases and per-head attention sinks: p_ij = exp(s_ij) / (sum_k exp(s_ik) + exp(sink_h));
 * sliding-window attention on the layers `layer_types` marks `sliding_attention` (key k is visible to
@@ -32,7 +33,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .layout import Layout
 from .linear import Linear
-from .llama import Comm, DecoderStack, RMSNorm, apply_rope, dtype_bytes, llama_layout, rope_params
+from .llama import Comm, DecoderStack, RMSNorm, apply_rope, llama_layout, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -226,15 +227,3 @@ class GptOss(DecoderStack):
             return DecoderLayer(a, L, a.sliding_window if a.layer_types[i] == SLIDING else None, comm)
 
         super().__init__(a, aux_layer_ids, L, layer, GptOssRMSNorm)
-
-
-def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = None,
-                          dtype: torch.dtype | str = torch.bfloat16) -> int:
-    """Bytes of tensor data in one rank's weights/target/rank<r>.safetensors for a gpt_oss config.json
-    dict (MXFP4 experts count dequantized, as the bundle stores them): the parameters of the rank-local
-    model the bundle builds, so it is exactly what the sharder writes (file headers aside)."""
-    a = gpt_oss_args(config, "target")
-    with torch.device("meta"):
-        m = GptOss(a, (), llama_layout(a, tp, padded_hidden))
-    return sum(p.numel() for p in m.parameters()) * dtype_bytes(dtype)
-

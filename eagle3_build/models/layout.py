@@ -49,7 +49,7 @@ class Layout:
 
 def padded_intermediate_size(intermediate: int, hidden: int, padded_hidden: int, tp: int) -> int:
     """The MLP / expert intermediate width the ranks hold, rounded up to a multiple of tp. When it equals
-    the hidden size (GPT-OSS: 2880) it is padded together with the hidden (-> 3072; REFERENCE §4).
+    the hidden size (GPT-OSS: 2880) it is padded together with the hidden (-> 3072).
     Padded channels have zero gate/up weights and biases, so they output exactly zero (SwiGLU: silu(0) = 0;
     GPT-OSS: (up + 1) * 0 * sigmoid(0) = 0) and their zero down rows add nothing."""
     inter = padded_hidden if intermediate == hidden else intermediate

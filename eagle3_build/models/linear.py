@@ -1,25 +1,8 @@
 """How a projection is written into a graph: one rule, used by every model file.
 
-Decode-sized graphs (target decode/verify, draft step/catch-up, the last-position lm_head) multiply a
-handful of token rows by every weight matrix: memory-bound work that should cost one read of the
-weights whatever the row count. Written as F.linear (y = x @ W.T, the weight as GEMM operand B,
-transposed), CPU float32 GEMM does not get there: MKL's small-M path costs 1.3-1.9x more at 2-4 rows
-than at 1 row, which is exactly the verify pass of K = 1..3. Written weight-stationary,
-
-    y = (W @ x.T).T        W [N, K] row-major as operand A, the few token rows as B,
-
-MKL runs the same product much closer to one read of the weights, and threads it. Measured on
-SmolLM2-135M (benchmarks/graph_latency.py: the same K 3 bundle built both ways, calls interleaved;
-benchmarks/results/smollm2-linear-ab-t{1,2}.json): target_verify b1 (4 token rows) 191 -> 128 ms at
-one thread, 180 -> 78 ms at two; target_decode b1 (1 row) unchanged (99 -> 99, 89 -> 92 ms);
-draft_catchup 1.2-1.6x faster. The projections alone: benchmarks/linear_layout.py.
-The [N, rows] result is transposed back and materialised row-major (a transposed view would reach TP
-collectives non-contiguous, which compiled code does not handle); that copy is rows x N elements,
-nothing next to the weight read.
-
-Prefill-sized inputs (more than SMALL_ROWS token rows) keep F.linear: there the GEMM is compute-bound
-and MKL's usual path is the right one. The rule depends only on static shapes, so every backend traces
-the same graphs (on Neuron and CUDA the compiler / cuBLAS choose their own operand layouts).
+Up to SMALL_ROWS token rows (decode-sized graphs) it is computed weight-stationary, y = (W @ x.T).T,
+materialised row-major, which CPU GEMM runs close to one read of the weights; more rows keep
+F.linear. Why, and the measurements: docs/linear-layout.md.
 """
 from __future__ import annotations
 

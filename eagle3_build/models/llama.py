@@ -374,18 +374,3 @@ def llama_layout(a, tp: int, padded_hidden: int | None = None) -> Layout:
     return Layout(tp=tp, hidden=a.hidden_size, padded_hidden=padded_hidden or a.hidden_size,
                   num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                   intermediate=a.intermediate_size, vocab=a.vocab_size)
-
-
-def dtype_bytes(dtype: torch.dtype | str) -> int:
-    return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
-
-
-def weight_bytes_per_rank(config: dict, tp: int, padded_hidden: int | None = None,
-                          dtype: torch.dtype | str = torch.bfloat16) -> int:
-    """Bytes of tensor data in one rank's weights/target/rank<r>.safetensors for a Llama config.json
-    dict: the parameters of the rank-local model the bundle builds (sharded, padded), so the count is
-    exactly what the sharder writes (file headers aside)."""
-    a = llama_args(config, "target")
-    with torch.device("meta"):
-        m = Llama(a, (), llama_layout(a, tp, padded_hidden))
-    return sum(p.numel() for p in m.parameters()) * dtype_bytes(dtype)

@@ -1,16 +1,16 @@
-"""Tiny random Llama target + EAGLE3 draft pairs for tests and smoke checks.
+"""Tiny random target + EAGLE3 draft pairs for tests and smoke checks (how well they speculate, measured:
+docs/tiny-pairs.md).
 
 ``make_tiny_pair(out_dir)`` writes, in a few seconds and fully deterministically given ``seed``:
 
 * ``out_dir/target/``  a transformers ``LlamaForCausalLM`` (8 layers, hidden 64 or ``hidden_size``, vocab
   512, llama3 rope scaling, untied lm_head) + a byte-level BPE tokenizer with Llama-3 style specials;
-* ``out_dir/draft/``   an EAGLE3 draft in one of the three on-disk formats of REFERENCE §2
-  (``"eagle"``: SafeAILab ``pytorch_model.bin``; ``"speculators"``: RedHatAI; ``"specforge"``: SGLang);
+* ``out_dir/draft/``   an EAGLE3 draft in one of the three on-disk formats: ``"eagle"`` (SafeAILab,
+  ``pytorch_model.bin``), ``"speculators"`` (RedHatAI), ``"specforge"`` (SGLang);
 * ``out_dir/recipe.yaml`` a build recipe pointing at both;
 * with ``target_format="gguf"`` also ``out_dir/target.gguf`` (``write_gguf``: llama.cpp layout, F32),
   which the recipe then names as its target. That target has plain rope (``rope_scaling=False``):
   transformers' GGUF loader reads no llama3 rope scaling for ``llama``, so ``write_gguf`` refuses it.
-  Plain rope barely changes the structure (seed 0: the target follows ``f`` on 87% vs 85% of steps).
 
 The weights are "structured random" so that the draft is useful but imperfect:
 
@@ -19,31 +19,26 @@ The weights are "structured random" so that the draft is useful but imperfect:
   every step;
 * draft: ``fc`` picks the first aux chunk (~ the embedding of ``t_i``), the draft lm_head row for draft
   id ``k`` is the target embedding of ``g^-1(ids[k])`` with ``g = f∘f``, so the first draft step guesses
-  ``t_{i+2} = g(t_i)``; tokens outside the draft vocabulary can never be proposed.
+  ``t_{i+2} = g(t_i)``; tokens outside the draft vocabulary can never be proposed. Recurrent draft
+  steps (2..K) carry the step-1 state forward and mostly repeat its guess, so they are mostly rejected.
 
 The draft vocabulary is closed under ``f`` (``perm`` maps it onto itself and its complement onto the
 complement) and the target's lm_head favours draft-vocabulary tokens slightly (rows scaled by
 ``_TARGET_DRAFT_VOCAB_GAIN``), so that - as with a real frequency-built draft vocabulary - the target's
-text mostly lives inside the draft vocabulary. Without that, a random 256-of-512 draft vocabulary caps
-the draft's hit rate at ~50% of the already imperfect ``f∘f`` rate.
+text mostly lives inside the draft vocabulary. Without that, a random 256-of-512 draft vocabulary would
+cap the draft's hit rate at about half of the already imperfect ``f∘f`` rate.
 
-Measured (seeds 0-9, greedy, text prompts): the target follows ``f`` on 71-87% of steps; the draft's
-first step proposes the target's token two ahead on 52-75% of positions (seed 0: 85% / 73%).
-Recurrent draft steps (2..K) carry the step-1 state forward and mostly repeat its guess, so they are
-nearly always rejected: with K=3 the acceptance length is mostly 1 or 2 (mean ~1.9 for seed 0).
-Those numbers are for the default hidden 64. ``hidden_size`` (a multiple of 4, e.g. 92: q width 64 !=
-hidden, as GPT-OSS) keeps the structure: the weights reading the residual stream are scaled by
-``sqrt(64 / hidden)``. Wider pairs follow ``f`` more often (seeds 0-3: 86-98% at 92; draft 67-82%).
+``hidden_size`` (a multiple of 4, e.g. 92: q width 64 != hidden, as GPT-OSS) keeps the structure: the
+weights reading the residual stream are scaled by ``sqrt(64 / hidden)``.
 
-``make_tiny_pair(out_dir, arch="gpt-oss")`` writes the GPT-OSS twin of seed system 003 instead
-(``gpt_oss_structure``): 4 layers alternating sliding (window 8) and full attention, sinks, q/k/v/o
-biases, YaRN, 4 experts top-2 with the clamped SwiGLU, intermediate = hidden = 90 (GPT-OSS 2880 / 32,
-padded to 96 = 3072 / 32), stored in BF16 -- or, with ``target_format="mxfp4"``, hidden 96 with the
-experts as MXFP4 ``*_blocks`` / ``*_scales`` (MXFP4 packs 32 values along each expert's input dim, so 90
-cannot be stored that way) --, a speculators draft with ``norm_before_fc`` and the same f / f∘f structure,
-and a recipe shaped like seed 003 (K 1, max_num_seqs 1, one prefill bucket). Measured (seeds 0-2, 40
-greedy tokens): the target follows ``f`` on 86-91% of steps; with K 1 the draft's token is accepted on
-~35-85% of verify passes (seed 0, four prompts).
+``make_tiny_pair(out_dir, arch="gpt-oss")`` writes instead the GPT-OSS twin of seed system 003
+(``recipes/gpt-oss-120b-eagle3.yaml``, scaled down; ``gpt_oss_structure``): 4 layers alternating sliding
+(window 8) and full attention, sinks, q/k/v/o biases, YaRN, 4 experts top-2 with the clamped SwiGLU,
+intermediate = hidden = 90 (GPT-OSS 2880 / 32, padded to 96 = 3072 / 32), stored in BF16 -- or, with
+``target_format="mxfp4"``, hidden 96 with the experts as MXFP4 ``*_blocks`` / ``*_scales`` (MXFP4 packs
+32 values along each expert's input dim, so 90 cannot be stored that way) --, a speculators draft with
+``norm_before_fc`` and the same f / f∘f structure, and a recipe shaped like seed 003 (K 1,
+max_num_seqs 1, one prefill bucket).
 
 No global RNG state is touched: all randomness comes from one seeded ``torch.Generator``.
 """
@@ -56,6 +51,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3_runtime.manifest import MODEL_DTYPES
+
+from ..recipe import min_max_model_len
 from .gguf import EOT, write_gguf
 
 __all__ = [
@@ -743,7 +741,6 @@ def _make_tiny_gpt_oss_pair(out: Path, *, draft_format: str, seed: int, num_spec
 # =================================================================================================
 # public entry point
 # =================================================================================================
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_common(num_speculative_tokens, max_model_len, tp_degree, padded_hidden_size) -> None:
@@ -756,8 +753,9 @@ def _check_common(num_speculative_tokens, max_model_len, tp_degree, padded_hidde
         or padded_hidden_size < 1
     ):
         raise ValueError(f"padded_hidden_size must be a positive int or None, got {padded_hidden_size!r}")
-    if not (int(num_speculative_tokens) + 1 < int(max_model_len) <= MAX_POS):
-        raise ValueError(f"max_model_len must be in ({int(num_speculative_tokens) + 1}, {MAX_POS}]")
+    lo = min_max_model_len(int(num_speculative_tokens))
+    if not lo <= int(max_model_len) <= MAX_POS:
+        raise ValueError(f"max_model_len must be in [{lo}, {MAX_POS}] for K {int(num_speculative_tokens)}")
 
 
 def make_tiny_pair(
@@ -811,8 +809,8 @@ def make_tiny_pair(
         raise ValueError("sensitive_draft is implemented for the Llama pair only")
     if draft_format not in DRAFT_FORMATS:
         raise ValueError(f"draft_format must be one of {DRAFT_FORMATS}, got {draft_format!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype!r}")
     if num_speculative_tokens is None:
         num_speculative_tokens = 1 if arch == "gpt-oss" else 3
     if arch == "gpt-oss":
@@ -900,9 +898,7 @@ def sensitize_structure(s: dict, aux_ids: tuple[int, int, int], *, seed: int = 0
       residual the layer adds to is useful only after hidden_norm; with norm_before_residual false
       the draft's own attention/MLP noise dominates.
 
-    Measured (seeds 0-2, K 3, the verify prompts): position-0 acceptance 0.65-0.70 intact, <= 0.02
-    with the aux ids shifted by +-1, <= 0.08 with norm_before_residual flipped. The target's
-    structure barely moves (seed 0 follows f on 87% vs 89% of steps).
+    docs/tiny-pairs.md has the acceptance measured with and without each fault.
     """
     t, d = s["target"], s["draft"]
     H = t["model.embed_tokens.weight"].shape[1]

@@ -1,0 +1,215 @@
+"""Why a draft's acceptance is low: cheap checks on the bundle's draft weights (d2t, fc, lm_head), then the
+draft run eagerly on the reference's hidden states, with the aux layer ids and norm_before_residual as
+built and with their neighbouring values, and compared with what the bundle's graphs achieved."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eagle3_runtime.bundle import Bundle
+
+from ..models.eagle3 import Eagle3Args, Eagle3Draft, draft_layout
+from .reference import hidden_states
+
+# the usual ways a draft loses its acceptance in conversion or export while the output stays lossless
+CAUSES: dict[str, str] = {
+    "d2t": "d2t missing or misread (draft ids read as the first Vd target ids, or offsets taken as ids)",
+    "lm_head": "draft lm_head replaced (by the target's lm_head, or left random)",
+    "fc": "fc skipped or zeroed (the draft never sees the target's hidden states)",
+    "aux_ids": "aux layer ids shifted (SpecForge ids are output-of-layer k = input of layer k+1; "
+               "speculators/vLLM ids are input-of-layer)",
+    "norm_before_residual": "wrong norm_before_residual (speculators drafts default to true, "
+                            "EAGLE/SpecForge to false)",
+}
+TOP_K = 10  # a proposal outside the target's top TOP_K is not a plausible token
+
+
+@dataclass
+class Diagnosis:
+    """A likely cause of low acceptance, with what was measured."""
+
+    cause: str  # a key of CAUSES, or "graphs" / "draft"
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def _draft_weights(bundle: Bundle) -> dict[str, torch.Tensor]:
+    out = {k[len("draft/"):]: v for k, v in bundle.weights.items() if k.startswith("draft/")}
+    if "embed_tokens.weight" not in out:  # borrowed from the target (bound as target/embed_tokens.weight)
+        out["embed_tokens.weight"] = bundle.weights["target/embed_tokens.weight"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+
+def _eager_draft(bundle: Bundle, weights: dict[str, torch.Tensor],
+                 **overrides) -> tuple[Eagle3Draft, Eagle3Args, int]:
+    """The bundle's draft as a plain torch module (TP 1), from its recorded args and weights; also its
+    args and the width of one aux chunk as its fc reads it."""
+    entry = bundle.manifest.models["draft"]
+    cfg = dict(entry.config)
+    cfg["aux_layer_ids"] = tuple(cfg["aux_layer_ids"])
+    fields = {f.name for f in dataclasses.fields(Eagle3Args)}
+    args = Eagle3Args(**{k: v for k, v in cfg.items() if k in fields})
+    args = dataclasses.replace(args, **overrides)
+    hp = entry.layout.get("padded_hidden") or args.hidden_size
+    padded = hp if hp != args.hidden_size else None
+    layout = draft_layout(args, 1, padded, padded)
+    draft = Eagle3Draft(args, layout)
+    missing, _ = draft.load_state_dict(weights, strict=False)
+    persistent = {n for n, _ in draft.named_parameters()} | ({"d2t"} if args.has_d2t else set())
+    lacking = [k for k in missing if k in persistent]
+    if lacking:
+        raise RuntimeError(f"the bundle's draft weights lack {lacking[:3]}")
+    # each aux chunk as the fc reads it: the target's hidden width, zero-padded like the target emits it
+    return draft.float().eval(), args, layout.padded_input_hidden or args.target_hidden_size
+
+
+@torch.inference_mode()
+def _first_step(draft, aux: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The draft's first proposal at every position of one sequence (what draft_prefill / catch-up
+    return): aux [T, 3H] of positions 0..T-2 paired with tokens 1..T-1 -> proposals [T-1] for the
+    tokens at 2..T."""
+    T = tokens.numel()
+    x = draft.combine(aux[None, : T - 1])
+    kv = torch.zeros(draft.kv_shape(1, T), dtype=torch.float32)
+    rows = torch.zeros(1, T - 1, dtype=torch.int64)
+    pos = torch.arange(T - 1)[None]
+    out = draft(x, tokens[None, 1:], pos, kv, rows, prefill=True, rank=torch.zeros(1, dtype=torch.int64))
+    return draft.propose(out)[0]
+
+
+def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[int]]],
+                   engine_pos0: float | None) -> list[Diagnosis]:
+    """Likely causes of the bundle's low acceptance, the most certain first. `model`: the reference;
+    `sequences`: (prompt ids, reference continuation); `engine_pos0`: the engine's position-0 acceptance."""
+    m = bundle.manifest
+    w = _draft_weights(bundle)
+    out: list[Diagnosis] = []
+    vocab = m.vocab_size
+    dcfg = m.models["draft"].config
+    dvocab = int(dcfg.get("draft_vocab_size") or vocab)
+
+    # ---- static: the weights themselves
+    if dvocab < vocab:
+        if "d2t" not in w:
+            out.append(Diagnosis("d2t", f"the draft vocab is reduced ({dvocab} of {vocab} target tokens) but the "
+                                        "bundle has no d2t: draft ids are read as the first target ids — "
+                                        + CAUSES["d2t"], {"draft_vocab_size": dvocab}))
+        else:
+            d2t = w["d2t"].long()
+            if not bool(d2t.any()):
+                out.append(Diagnosis("d2t", f"d2t is all zeros (the identity) while the draft vocab is reduced "
+                                            f"({dvocab} of {vocab}): draft ids are read as the first {dvocab} target "
+                                            "ids — d2t missing or misread when the draft was exported",
+                                     {"draft_vocab_size": dvocab}))
+            elif d2t.numel() > 1 and not bool(((torch.arange(d2t.numel()) + d2t).diff() > 0).all()):
+                out.append(Diagnosis("d2t", "d2t does not map the draft vocab onto increasing target ids (a "
+                                            "frequency-built draft vocab is sorted ascending): d2t looks misread",
+                                     {}))
+    fc = w["fc.weight"]
+    fc_rms = float(fc.pow(2).mean().sqrt())
+    if fc_rms < 1e-8:
+        out.append(Diagnosis("fc", f"the draft's fc weight is all zero (rms {fc_rms:.1e}): " + CAUSES["fc"],
+                             {"fc_rms": fc_rms}))
+    lm = w["lm_head.weight"]
+    target_lm = bundle.weights.get("target/lm_head.weight", bundle.weights.get("target/embed_tokens.weight"))
+    if float(lm.abs().max()) == 0:
+        out.append(Diagnosis("lm_head", "the draft's lm_head is all zero: " + CAUSES["lm_head"], {}))
+    elif target_lm is not None:
+        ids = torch.arange(lm.shape[0])
+        if "d2t" in w and w["d2t"].numel() == lm.shape[0]:
+            ids = ids + w["d2t"].long()
+        ids = ids.clamp(0, target_lm.shape[0] - 1)
+        if target_lm.shape[1] == lm.shape[1] and torch.allclose(target_lm[ids].float(), lm, rtol=1e-3, atol=1e-6):
+            out.append(Diagnosis("lm_head", "the draft's lm_head equals the target's lm_head rows of the draft "
+                                            "vocab: the draft's own lm_head was replaced by the target's "
+                                            "(vLLM#27732)", {}))
+    certain = {d.cause for d in out}
+
+    # ---- behaviour: the draft run eagerly on the target's hidden states (reference sequences)
+    seqs = hidden_states(model, sequences)
+    if not seqs:
+        return out
+    draft, args, chunk = _eager_draft(bundle, w)
+    aux_ids = tuple(args.aux_layer_ids)
+    n_layers = len(seqs[0].hidden) - 1
+
+    def rates(d, ids) -> tuple[float, float, int]:
+        hit = topk = n = 0
+        for s in seqs:
+            T = s.tokens.numel()
+            if T < 3:
+                continue
+            aux = torch.cat([_pad(s.hidden[a], chunk) for a in ids], -1)
+            prop = _first_step(d, aux, s.tokens)  # prop[i] guesses tokens[i + 2]
+            lo = max(s.n_prompt - 1, 0)
+            sl = slice(lo, T - 2)
+            want = s.tokens[2:][sl]
+            got = prop[sl]
+            hit += int((got == want).sum())
+            top = s.logits[1:][sl].topk(min(TOP_K, s.logits.shape[-1]), dim=-1).indices
+            topk += int((top == got[:, None]).any(-1).sum())
+            n += want.numel()
+        return (hit / n if n else 0.0), (topk / n if n else 0.0), n
+
+    base_hit, base_top, npos = rates(draft, aux_ids)
+    ev_base = {"first_step_hit_rate": round(base_hit, 3), "in_target_top10": round(base_top, 3), "positions": npos,
+               "aux_layer_ids": list(aux_ids)}
+    if engine_pos0 is not None:
+        ev_base["engine_position0_acceptance"] = round(engine_pos0, 3)
+
+    def better(rate: float) -> bool:
+        return rate >= base_hit + 0.15 and rate >= 1.5 * base_hit
+
+    if not certain:
+        best = None
+        for shift in (-1, 1, -2, 2):
+            ids = tuple(a + shift for a in aux_ids)
+            if not all(0 <= a < n_layers for a in ids):
+                continue
+            r, _, _ = rates(draft, ids)
+            if better(r) and (best is None or r > best[1]):
+                best = (ids, r, shift)
+        if best is not None:
+            ids, r, shift = best
+            out.append(Diagnosis(
+                "aux_ids", f"aux layer ids look shifted by {-shift:+d}: the draft's first proposal matches the target "
+                           f"{100 * r:.0f}% of the time with ids {list(ids)} but {100 * base_hit:.0f}% with the "
+                           f"bundle's {list(aux_ids)} — " + CAUSES["aux_ids"],
+                dict(ev_base, better_aux_layer_ids=list(ids), better_hit_rate=round(r, 3))))
+        flipped, _, _ = _eager_draft(bundle, w, norm_before_residual=not args.norm_before_residual)
+        r, _, _ = rates(flipped, aux_ids)
+        if better(r):
+            out.append(Diagnosis(
+                "norm_before_residual",
+                f"norm_before_residual looks wrong: the draft's first proposal matches the target {100 * r:.0f}% of "
+                f"the time with norm_before_residual={not args.norm_before_residual} but {100 * base_hit:.0f}% with "
+                f"the bundle's {args.norm_before_residual} — " + CAUSES["norm_before_residual"],
+                dict(ev_base, better_hit_rate=round(r, 3))))
+    # round starts skip the position after an accepted first token, so the engine's position-0 rate is a
+    # (somewhat pessimistic) sample of the eager hit rate: only a collapse points at the graphs
+    if engine_pos0 is not None and base_hit >= 0.3 and engine_pos0 <= base_hit / 3:
+        out.append(Diagnosis(
+            "graphs", f"the bundle's draft graphs do worse than the same weights run eagerly (position-0 acceptance "
+                      f"{100 * engine_pos0:.0f}% vs {100 * base_hit:.0f}% first-step hits): the checkpoint is fine, "
+                      "the build or the runtime is at fault — please report it", ev_base))
+    if not out:
+        if base_top < 0.2:
+            out.append(Diagnosis(
+                "lm_head", f"the draft's first proposals are rarely plausible target tokens (only {100 * base_top:.0f}% "
+                           f"are in the target's top {TOP_K}, {100 * base_hit:.0f}% match): its output head does not "
+                           "fit its layer — " + CAUSES["lm_head"] + ", or " + CAUSES["d2t"]
+                           + " (or the whole draft is untrained)", ev_base))
+        else:
+            out.append(Diagnosis(
+                "draft", f"the draft proposes plausible tokens ({100 * base_top:.0f}% in the target's top {TOP_K}) but "
+                         f"matches the target's choice only {100 * base_hit:.0f}% of the time; the wiring looks right — "
+                         "an undertrained draft, or one trained for another target, chat template or domain",
+                ev_base))
+    return out
+
+
+def _pad(h: torch.Tensor, width: int) -> torch.Tensor:
+    return h if h.shape[-1] == width else torch.nn.functional.pad(h, (0, width - h.shape[-1]))

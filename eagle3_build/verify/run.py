@@ -1,0 +1,151 @@
+"""verify_bundle: the bundle run through the runtime's Engine on a prompt set, against the reference."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from eagle3_runtime.bundle import Bundle, BundleError
+from eagle3_runtime.engine import Engine, SpecStats
+from eagle3_runtime.manifest import Manifest
+from eagle3_runtime.reader import read_manifest
+
+from ..recipe import VerifySettings
+from .compare import NEAR_TIE_REL, PromptResult, check_continuation, coarser, compare
+from .diagnose import diagnose_draft
+from .errors import VerifyError
+from .prompts import admit_prompts, encode_prompts, select_prompts
+from .reference import Reference, load_reference, reference_greedy, target_location
+from .report import VerifyReport
+
+
+def verify_bundle(
+    bundle_dir: str | Path,
+    *,
+    prompts: Sequence[str] | str | Path | None = None,
+    num_prompts: int | None = None,
+    max_tokens: int | None = None,
+    min_acceptance_length: float | None = None,
+    target_source: str | Path | None = None,
+    reference_dtype: str | None = None,
+    chat: bool | None = None,
+    diagnose: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+    just_built: bool = False,
+) -> VerifyReport:
+    """Verify a bundle (see the package docstring). ``None`` settings come from the recipe's ``verify``
+    section recorded in the manifest (``VerifySettings``: its defaults where the recipe gave none);
+    ``prompts`` is a list, a prompt file (``load_prompts``) or None for ``BUILTIN_PROMPTS``; the first
+    ``num_prompts`` are used. ``chat`` (None: the recipe's ``verify.chat``) wraps each prompt as one
+    user message in the bundle's chat template. ``diagnose``: None runs the diagnosis when the gate fails, True always, False never.
+    ``progress(msg)`` gets one line per stage. ``just_built``: this process wrote the bundle a moment
+    ago (compile), so its files are not hashed again. Raises ``VerifyError`` for bad input."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    root = Path(bundle_dir)
+    manifest = read_bundle_manifest(root)
+    reason = skip_reason(manifest)
+    if reason:
+        raise VerifyError(f"{root}: cannot verify here: {reason}")
+    settings = recorded_settings(manifest)
+    num_prompts = settings.num_prompts if num_prompts is None else num_prompts
+    max_tokens = settings.max_tokens if max_tokens is None else max_tokens
+    chat = settings.chat if chat is None else chat
+    if min_acceptance_length is None:
+        min_acceptance_length = settings.min_acceptance_length
+    if not isinstance(num_prompts, int) or num_prompts < 1:
+        raise VerifyError(f"num_prompts must be at least 1, got {num_prompts!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise VerifyError(f"max_tokens must be at least 1, got {max_tokens!r}")
+    if min_acceptance_length is not None and not min_acceptance_length >= 1:
+        raise VerifyError(f"min_acceptance_length must be >= 1 (1 = nothing accepted), got {min_acceptance_length}")
+    ref_dtype = reference_dtype or manifest.dtype
+    if ref_dtype not in NEAR_TIE_REL:
+        raise VerifyError(f"reference dtype {ref_dtype!r}: choose one of {', '.join(NEAR_TIE_REL)}")
+
+    texts = select_prompts(prompts, num_prompts)
+    encoded = encode_prompts(texts, root, chat=chat)
+    admit_prompts(manifest, texts, encoded)
+    location = target_location(manifest, target_source)
+
+    say("loading the bundle")
+    try:
+        bundle = Bundle(root, verify=not just_built)
+    except BundleError as e:
+        raise VerifyError(str(e)) from e
+    engine = Engine(bundle)
+
+    say("loading the reference target")
+    model, ref_desc = load_reference(manifest, dtype=ref_dtype, location=location)
+    eos = list(manifest.eos_token_ids)
+    tie_dtype = coarser(manifest.dtype, ref_dtype)
+
+    acc = SpecStats(manifest.num_speculative_tokens)
+    results: list[PromptResult] = []
+    refs: list[Reference] = []
+    for i, (text, ids) in enumerate(zip(texts, encoded)):
+        n = min(max_tokens, manifest.max_model_len - len(ids))
+        say(f"prompt {i + 1}/{len(texts)}")
+        ref = reference_greedy(model, ids, n, eos)
+        refs.append(ref)
+        gen = engine.generate(ids, n, speculative=True)
+        acc.add(gen.stats)
+        r = compare(text, ids, ref, list(gen.token_ids), tie_dtype)
+        r.acceptance_length = gen.stats.mean_acceptance_length
+        if r.near_tie:
+            check_continuation(model, r, tie_dtype)
+        if not r.ok:
+            plain = engine.generate(ids, n, speculative=False)
+            r.plain_matches_reference = list(plain.token_ids) == ref.ids
+        results.append(r)
+
+    report = VerifyReport(bundle=str(root), reference=ref_desc, dtype=manifest.dtype, reference_dtype=ref_dtype,
+                          num_speculative_tokens=manifest.num_speculative_tokens, max_tokens=max_tokens,
+                          min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc)
+    if diagnose or (diagnose is None and not report.gate_ok):
+        say("diagnosing the draft")
+        try:
+            report.diagnoses = diagnose_draft(bundle, model, [(ids, ref.ids) for ids, ref in zip(encoded, refs)],
+                                              acc.per_position[0] if acc.num_drafts else None)
+        except Exception as e:  # noqa: BLE001 - best effort: never hide the verdict behind a diagnosis crash
+            report.diagnosis_error = f"{type(e).__name__}: {e}"
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def read_bundle_manifest(bundle_dir: Path) -> Manifest:
+    """The bundle's manifest (validated, digest checked), or a VerifyError saying why not."""
+    if not bundle_dir.is_dir():
+        raise VerifyError(f"{bundle_dir}: no such bundle directory")
+    try:
+        return read_manifest(bundle_dir)
+    except BundleError as e:
+        raise VerifyError(str(e)) from e
+
+
+def recorded_settings(manifest: Manifest) -> VerifySettings:
+    """The recipe's verify section as the manifest recorded it; what it lacks takes the recipe's defaults."""
+    raw = manifest.recipe.get("verify") or {}
+    try:
+        return VerifySettings(**{k: v for k, v in dict(raw).items() if k in VerifySettings.model_fields})
+    except (TypeError, ValueError, ValidationError) as e:
+        raise VerifyError(f"{manifest.name}: the manifest's recipe has an unusable verify section ({raw})") from e
+
+
+def skip_reason(manifest: Manifest) -> str | None:
+    """Why this host cannot verify the bundle in one process (None when it can)."""
+    if manifest.tp_degree != 1:
+        return (f"the bundle is TP {manifest.tp_degree}; verify runs TP-1 bundles in one process (build a "
+                "tp_degree 1 variant of the pair to verify the checkpoints, or run eagle3-run under torchrun)")
+    if manifest.backend == "neuron":
+        try:
+            from eagle3_runtime.neuron import NeuronHostError, check_host
+
+            check_host(manifest)
+        except ImportError:
+            return "the bundle's graphs are NEFFs and this runtime has no Neuron loader"
+        except NeuronHostError as e:
+            return f"the bundle's graphs are NEFFs and this host cannot run them ({e})"
+    return None
