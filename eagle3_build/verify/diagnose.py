@@ -12,6 +12,7 @@ import torch
 from eagle3_runtime.bundle import Bundle
 
 from ..models.eagle3 import Eagle3Args, Eagle3Draft, draft_layout
+from ..models.weights import weight_tensors
 from .reference import hidden_states
 
 # the usual ways a draft loses its acceptance in conversion or export while the output stays lossless
@@ -58,8 +59,7 @@ def _eager_draft(bundle: Bundle, weights: dict[str, torch.Tensor],
     layout = draft_layout(args, 1, padded, padded)
     draft = Eagle3Draft(args, layout)
     missing, _ = draft.load_state_dict(weights, strict=False)
-    persistent = {n for n, _ in draft.named_parameters()} | ({"d2t"} if args.has_d2t else set())
-    lacking = [k for k in missing if k in persistent]
+    lacking = [k for k in missing if k in weight_tensors(draft)]
     if lacking:
         raise RuntimeError(f"the bundle's draft weights lack {lacking[:3]}")
     # each aux chunk as the fc reads it: the target's hidden width, zero-padded like the target emits it
