@@ -64,7 +64,7 @@ def load_pair(pair: PairRecipe) -> LoadedPair:
 
 
 def graph_plan(pair: PairRecipe) -> list[GraphSpec]:
-    return plan_graphs(pair.buckets.prefill, pair.buckets.batch)
+    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes)
 
 
 Report = Callable[[dict], None]
@@ -235,7 +235,6 @@ class BuildModels:
 def build_models(lp: LoadedPair) -> BuildModels:
     pair, t, d = lp.pair, lp.target, lp.draft
     dtype = torch_dtype(pair.dtype)
-    K = pair.speculation.num_speculative_tokens
     B, L = pair.serving.max_num_seqs, pair.serving.max_model_len
     t_layout, d_layout = layouts(pair, t, d)
     target_model = build_target(t, d.args.aux_layer_ids, t_layout)
@@ -250,7 +249,7 @@ def build_models(lp: LoadedPair) -> BuildModels:
             if n in own:
                 weight_shapes[f"{name}/{n}"] = (list(x.shape), dtype if x.dtype.is_floating_point else x.dtype)
     # KV caches (rank-local heads), with the scratch positions of manifest.kv_cache_length
-    S = kv_cache_length(L, K)
+    S = kv_cache_length(L, pair.speculation.scratch())
     state = {
         "target": TensorSpec(name="target_kv", shape=target_model.kv_shape(B, S), dtype=dtype_name(dtype)),
         "draft": TensorSpec(name="draft_kv", shape=draft_model.kv_shape(B, S), dtype=dtype_name(dtype)),
@@ -261,7 +260,7 @@ def build_models(lp: LoadedPair) -> BuildModels:
 def contract_outputs(bm: BuildModels, spec: GraphSpec) -> list[TensorSpec]:
     """A graph's outputs as the runtime returns them, from the contract table (manifest.ROLES)."""
     pair = bm.lp.pair
-    outs = spec.contract.output_specs(spec.bucket, K=pair.speculation.num_speculative_tokens,
+    outs = spec.contract.output_specs(spec.bucket, spec.shape,
                                       target_hidden=bm.models["target"][2].padded_hidden,
                                       draft_hidden=bm.models["draft"][2].padded_hidden,
                                       vocab=bm.lp.target.args.vocab_size, dtype=pair.dtype)
@@ -283,9 +282,8 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
     cached compile. With tp > 1 collectives trace against a fake process group."""
     pair = bm.lp.pair
     dtype = torch_dtype(pair.dtype)
-    K = pair.speculation.num_speculative_tokens
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
-    common = {"dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
+    common = {"dtype": pair.dtype, "B": pair.serving.max_num_seqs,
               "L": pair.serving.max_model_len, "state": {k: v.model_dump() for k, v in bm.state.items()},
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
@@ -295,16 +293,17 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         fields = backend.key_fields(spec.role)
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
-        ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
+        ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
                           dtype=dtype)
         inputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, s, x in ins]
         tkey = trace_key({**common, "backend": fields, "role": spec.role, "bucket": spec.bucket,
+                          "shape": spec.shape.model_dump(),
                           "weights": [bm.weight_shapes[q][0] for q in qnames if q in bm.weight_shapes]})
         memo = cache.get_trace(tkey)
         hit = cache.get(memo["key"]) if memo is not None else None
         outputs = contract_outputs(bm, spec)
         if hit is not None:
-            job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(K), memo["key"], None, hit=hit)
+            job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(), memo["key"], None, hit=hit)
             yield TracedGraph(spec, job, qnames, inputs, outputs)
             continue
         weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1]) for q in qnames)
@@ -318,7 +317,7 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         ep = torch.export.export(module, args, strict=False)
         key = graph_key(ep, fields)
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs]})
-        job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(K), key, ep)
+        job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(), key, ep)
         yield TracedGraph(spec, job, qnames, inputs, outputs)
 
 
@@ -352,9 +351,8 @@ def compile_graphs(bm: BuildModels, backend, cache: CompileCache, jobs: int | No
 
 def shard_specs(pair: PairRecipe, index: int, count: int) -> list[GraphSpec]:
     """This builder's share of the graphs for `compile --shard index/count` (same split everywhere)."""
-    K = pair.speculation.num_speculative_tokens
     specs = graph_plan(pair)
-    mine = split_shard([(s.name, static_estimate(pair.backend, s.role, s.tokens_per_call(K))) for s in specs],
+    mine = split_shard([(s.name, static_estimate(pair.backend, s.role, s.tokens_per_call())) for s in specs],
                        index, count)
     return [s for s in specs if s.name in mine]
 
@@ -440,7 +438,7 @@ def _finish_bundle(bm: BuildModels, root: Path, backend, report: Report, model_e
         schema_version=SCHEMA_VERSION, name=pair.name,
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         backend=pair.backend, dtype=pair.dtype, tp_degree=pair.parallel.tp_degree,
-        num_speculative_tokens=pair.speculation.num_speculative_tokens,
+        num_speculative_tokens=pair.speculation.num_speculative_tokens, speculation=pair.speculation.shapes,
         max_num_seqs=pair.serving.max_num_seqs, max_model_len=pair.serving.max_model_len,
         prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch),
         aux_layer_ids=list(d.args.aux_layer_ids), vocab_size=t.args.vocab_size, eos_token_ids=t.eos_token_ids,
@@ -481,7 +479,7 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
     from .backends.neuron import INDEX_DTYPE, KV_MOVE, ModelGraphs, weight_dtype
 
     pair = bm.lp.pair
-    dtype, K, tp = torch_dtype(pair.dtype), pair.speculation.num_speculative_tokens, pair.parallel.tp_degree
+    dtype, tp = torch_dtype(pair.dtype), pair.parallel.tp_degree
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
     out = {}
     for name, (model, ckpt, layout) in bm.models.items():
@@ -491,7 +489,7 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
                   for n, x in local.items()}
         graphs, inputs = [], {}
         for spec in (sp for sp in graph_plan(pair) if sp.model == name):
-            ins = step_inputs(spec, K=K, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
+            ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
                               dtype=dtype, index_dtype=INDEX_DTYPE)
             graphs.append((spec, ins[1:]))
             inputs[spec.name] = [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, sh, x in ins]
@@ -499,10 +497,11 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
         mg = ModelGraphs(name, model, shapes, (state.shape, torch_dtype(state.dtype)), graphs,
                          n_out=max(len(sp.contract.outputs) for sp, _ in graphs))
         key = "" if backend is None else trace_key({
-            "spmd_model": name, "dtype": pair.dtype, "K": K, "B": pair.serving.max_num_seqs,
+            "spmd_model": name, "dtype": pair.dtype, "B": pair.serving.max_num_seqs,
             "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
             "args": _jsonable(dataclasses.asdict(ckpt.args)), "layout": layout.to_dict(),
-            "graphs": [[sp.role, sp.bucket, [[n, sh, str(x)] for n, sh, x in ins]] for sp, ins in graphs],
+            "graphs": [[sp.role, sp.bucket, sp.shape.model_dump(), [[n, sh, str(x)] for n, sh, x in ins]]
+                       for sp, ins in graphs],
             "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
             "backend": {k: backend.key_fields(k) for k in [*dict.fromkeys(sp.role for sp, _ in graphs), KV_MOVE]}})
         out[name] = SpmdModel(mg, key, inputs, names)

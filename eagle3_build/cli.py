@@ -342,7 +342,8 @@ def plan_cmd(
 
     for r in result:
         w = r["weight_bytes_per_rank"]
-        t = Table(title=f"{r['pair']}  (backend {r['backend']}, TP {r['tp_degree']}, K {r['num_speculative_tokens']}; "
+        spec = "; ".join(f"batch {b}: {d}" for b, d in r["speculation"].items())
+        t = Table(title=f"{r['pair']}  (backend {r['backend']}, TP {r['tp_degree']}, {spec}; "
                         f"configs: {r['config_source']})", title_justify="left")
         for c in ("graph", "role", "bucket", "tokens/call", "inputs", "cache", "est. compile"):
             t.add_column(c)
@@ -394,6 +395,8 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                       f"max_num_seqs {m.max_num_seqs}, max_model_len {m.max_model_len}")
     out_console.print(f"prefill buckets {m.prefill_buckets}, batch buckets {m.batch_buckets}, "
                       f"aux layers {m.aux_layer_ids}, draft format {m.draft_format}")
+    out_console.print("speculation: " + "; ".join(f"batch {b}: {s.describe()}" for b, s in m.speculation.items()),
+                      highlight=False)
     for k, s in m.sources.items():
         out_console.print(f"{k}: {s['uri']}" + (f" @ {s['resolved_revision']}" if s.get("resolved_revision") else ""))
     out_console.print("toolchain: " + ", ".join(f"{k} {v}" for k, v in m.toolchain.items()))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eagle3_runtime.manifest import ROLES, Role, dtype_name, plan_roles, torch_dtype
+from eagle3_runtime.manifest import ROLES, Role, SpecShape, dtype_name, graph_shape, plan_roles, torch_dtype
 
 from .models.eagle3 import Eagle3Draft
 from .models.llama import Llama
@@ -24,6 +24,7 @@ from .models.weights import weight_tensors
 class GraphSpec:
     role: str
     bucket: int
+    shape: SpecShape  # the speculation shape it is built for (manifest.graph_shape)
 
     @property
     def contract(self) -> Role:
@@ -37,13 +38,13 @@ class GraphSpec:
     def name(self) -> str:
         return self.contract.graph_name(self.bucket)
 
-    def tokens_per_call(self, K: int) -> int:
-        return self.contract.tokens_per_call(self.bucket, K)
+    def tokens_per_call(self) -> int:
+        return self.contract.tokens_per_call(self.bucket, self.shape)
 
 
-def plan_graphs(prefill_buckets: list[int], batch_buckets: list[int]) -> list[GraphSpec]:
+def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape]) -> list[GraphSpec]:
     """Every graph a bundle needs (manifest.plan_roles)."""
-    return [GraphSpec(r, b) for r, b in plan_roles(prefill_buckets, batch_buckets)]
+    return [GraphSpec(r, b, graph_shape(r, b, speculation)) for r, b in plan_roles(prefill_buckets, speculation)]
 
 
 # ---------------------------------------------------------------- role modules
@@ -61,7 +62,7 @@ def _steps(T: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class TargetPrefill(nn.Module):
-    def __init__(self, m: Llama):
+    def __init__(self, m: Llama, shape: SpecShape):
         super().__init__()
         self.m = m
 
@@ -73,32 +74,35 @@ class TargetPrefill(nn.Module):
 
 
 class TargetVerify(nn.Module):
-    def __init__(self, m: Llama):
+    """The N tree nodes of every row (a chain: N = K + 1 in a line) in one pass; node i at slot start + i."""
+
+    def __init__(self, m: Llama, shape: SpecShape):
         super().__init__()
         self.m = m
 
-    def forward(self, cache, rank, tokens, start):
-        b, T = tokens.shape
-        positions = start[:, None] + _steps(T, start)
-        h, aux = self.m(tokens, positions, cache, _rows(b, T, start), prefill=False, rank=rank)
+    def forward(self, cache, rank, tokens, positions, start, tree_mask):
+        b, N = tokens.shape
+        slots = start[:, None] + _steps(N, start)
+        h, aux = self.m(tokens, positions, cache, _rows(b, N, start), prefill=False, rank=rank, slots=slots,
+                        start=start, tree_mask=tree_mask)
         return self.m.logits(h), aux
 
 
 class TargetDecode(nn.Module):
-    def __init__(self, m: Llama):
+    def __init__(self, m: Llama, shape: SpecShape):
         super().__init__()
         self.m = m
 
     def forward(self, cache, rank, tokens, pos):
         b = tokens.shape[0]
-        h, _ = self.m(tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False, rank=rank)
-        return (self.m.logits(h[:, 0]),)
+        h, aux = self.m(tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False, rank=rank)
+        return self.m.logits(h[:, 0]), aux[:, 0]
 
 
 class DraftPrefill(nn.Module):
-    def __init__(self, m: Eagle3Draft):
+    def __init__(self, m: Eagle3Draft, shape: SpecShape):
         super().__init__()
-        self.m = m
+        self.m, self.k = m, shape.topk
 
     def forward(self, cache, rank, aux, next_tokens, slot, last):
         S = next_tokens.shape[1]
@@ -106,13 +110,13 @@ class DraftPrefill(nn.Module):
         out = self.m(self.m.combine(aux), next_tokens, positions, cache, slot[:, None].expand(1, S), prefill=True,
                      rank=rank)
         out = _last(out, last)
-        return self.m.propose(out), self.m.recurrent_hidden(out)
+        return (*self.m.propose(out, self.k), self.m.recurrent_hidden(out))
 
 
 class DraftCatchup(nn.Module):
-    def __init__(self, m: Eagle3Draft):
+    def __init__(self, m: Eagle3Draft, shape: SpecShape):
         super().__init__()
-        self.m = m
+        self.m, self.k = m, shape.topk
 
     def forward(self, cache, rank, aux, next_tokens, start, last):
         b, T = next_tokens.shape
@@ -120,30 +124,32 @@ class DraftCatchup(nn.Module):
         out = self.m(self.m.combine(aux), next_tokens, positions, cache, _rows(b, T, start), prefill=False,
                      rank=rank)
         out = _last(out, last)
-        return self.m.propose(out), self.m.recurrent_hidden(out)
+        return (*self.m.propose(out, self.k), self.m.recurrent_hidden(out))
 
 
 class DraftStep(nn.Module):
-    def __init__(self, m: Eagle3Draft):
-        super().__init__()
-        self.m = m
+    """One draft step over W frontier nodes per row: each node's top-k children."""
 
-    def forward(self, cache, rank, hidden, tokens, pos):
-        b = tokens.shape[0]
-        out = self.m(hidden[:, None], tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False,
-                     rank=rank)[:, 0]
-        return self.m.propose(out), self.m.recurrent_hidden(out)
+    def __init__(self, m: Eagle3Draft, shape: SpecShape):
+        super().__init__()
+        self.m, self.k = m, shape.topk
+
+    def forward(self, cache, rank, hidden, tokens, positions, slots, start, tree_mask):
+        b, W = tokens.shape
+        out = self.m(hidden, tokens, positions, cache, _rows(b, W, start), prefill=False, rank=rank, slots=slots,
+                     start=start, tree_mask=tree_mask)
+        return (*self.m.propose(out, self.k), self.m.recurrent_hidden(out))
 
 
 ROLE_MODULES = {"target_prefill": TargetPrefill, "target_verify": TargetVerify, "target_decode": TargetDecode,
                 "draft_prefill": DraftPrefill, "draft_catchup": DraftCatchup, "draft_step": DraftStep}
 
 
-def step_inputs(spec: GraphSpec, *, K: int, target_hidden: int, draft_hidden: int, dtype: torch.dtype,
+def step_inputs(spec: GraphSpec, *, target_hidden: int, draft_hidden: int, dtype: torch.dtype,
                 index_dtype: torch.dtype = torch.int64) -> list[tuple[str, list[int], torch.dtype]]:
     """(name, shape, dtype) of a graph's inputs after weights and kv, in call order, the rank first
     (manifest.ROLES; `index_dtype` for token / position / index inputs)."""
-    ins = spec.contract.input_specs(spec.bucket, K=K, target_hidden=target_hidden, draft_hidden=draft_hidden,
+    ins = spec.contract.input_specs(spec.bucket, spec.shape, target_hidden=target_hidden, draft_hidden=draft_hidden,
                                     dtype=dtype_name(dtype), index_dtype=dtype_name(index_dtype))
     return [(n, shape, torch_dtype(x)) for n, shape, x in ins]
 
@@ -167,4 +173,4 @@ def model_weight_names(model: nn.Module) -> list[str]:
 
 def build_graph_module(spec: GraphSpec, model: nn.Module) -> tuple[BoundGraph, list[str]]:
     names = model_weight_names(model)
-    return BoundGraph(ROLE_MODULES[spec.role](model), names), names
+    return BoundGraph(ROLE_MODULES[spec.role](model, spec.shape), names), names

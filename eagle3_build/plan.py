@@ -61,6 +61,7 @@ class PairPlan:
     compiler_args: dict[str, list[str]] | None = None  # neuron: neuronx-cc flags per graph role
     notes: list[str] = field(default_factory=list)
     builders: list[dict] | None = None  # neuron: one NxD ModelBuilder per model
+    speculation: dict[int, str] = field(default_factory=dict)  # batch bucket -> its speculation shape
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +134,6 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     else:
         lp, origin = config_only_pair(pair)
     bm = build_models(lp)
-    K = pair.speculation.num_speculative_tokens
     sizes = {"target": 0, "draft": 0}
     for q, (shape, dt) in bm.weight_shapes.items():
         sizes[q.split("/")[0]] += math.prod(shape) * (torch.empty((), dtype=dt).element_size())
@@ -166,7 +166,7 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
 
     graphs = []
     for spec in graph_plan(pair):
-        ins = step_inputs(spec, K=K, target_hidden=bm.models["target"][2].padded_hidden,
+        ins = step_inputs(spec, target_hidden=bm.models["target"][2].padded_hidden,
                           draft_hidden=bm.models["draft"][2].padded_hidden, dtype=dtype)
         tg = traced.get(spec.name)
         key = tg.job.key if tg else None
@@ -175,10 +175,10 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
         if status == "hit":
             est = 0.0
         elif backend is not None:
-            learned = cache.estimate(pair.backend, spec.role, spec.tokens_per_call(K))
+            learned = cache.estimate(pair.backend, spec.role, spec.tokens_per_call())
             est = learned if learned is not None else static_estimate(pair.backend, spec.role,
-                                                                      spec.tokens_per_call(K))
-        g = PlannedGraph(spec.name, spec.role, spec.model, spec.bucket, spec.tokens_per_call(K),
+                                                                      spec.tokens_per_call())
+        g = PlannedGraph(spec.name, spec.role, spec.model, spec.bucket, spec.tokens_per_call(),
                          [{"name": n, "shape": s, "dtype": dtype_name(x)} for n, s, x in ins],
                          status, key, None if est is None else round(est, 1))
         if cc_args is not None:
@@ -190,8 +190,9 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     total = None
     if backend is not None:
         total = round(sum(g.estimate_s or 0.0 for g in graphs) / max(1, jobs or 1), 1)
-    return PairPlan(pair.name, pair.backend, pair.parallel.tp_degree, K, origin, sizes, graphs, jobs, total,
-                    cc_args, notes, builders)
+    return PairPlan(pair.name, pair.backend, pair.parallel.tp_degree, pair.speculation.num_speculative_tokens, origin,
+                    sizes, graphs, jobs, total, cc_args, notes, builders,
+                    {b: s.describe() for b, s in pair.speculation.shapes.items()})
 
 
 def _builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:

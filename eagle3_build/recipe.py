@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eagle3_runtime.manifest import BACKENDS, MODEL_DTYPES, min_max_model_len
+from eagle3_runtime.manifest import BACKENDS, MODEL_DTYPES, SpecShape, chain, min_max_model_len
 
 from .buckets import default_batch_buckets, default_prefill_buckets
 from .errors import UserError
@@ -112,7 +112,11 @@ class SourceSpec(_Frozen):
 
 
 class Speculation(_Frozen):
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # the deepest shape's depth
+    shapes: dict[int, SpecShape]  # per batch bucket (manifest.SpecShape)
+
+    def scratch(self) -> int:
+        return max(s.scratch for s in self.shapes.values())
 
 
 class Serving(_Frozen):
@@ -629,20 +633,28 @@ def _check_backend_options(merged: dict, add: Callable[..., None]) -> None:
                 add(("backend_options", key), message)
 
 
+def _speculation(raw: _RawPair, batch: list[int]) -> Speculation:
+    """The speculation shape of every batch bucket."""
+    shape = chain(raw.speculation.num_speculative_tokens)
+    shapes = {b: shape for b in batch}
+    return Speculation(num_speculative_tokens=max(s.depth for s in shapes.values()), shapes=shapes)
+
+
 def _build_pair(raw: _RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:
     mml = raw.serving.max_model_len
     mnbt = raw.serving.max_num_batched_tokens if raw.serving.max_num_batched_tokens is not None else mml
+    batch = list(raw.buckets.batch) if raw.buckets.batch is not None else default_batch_buckets(raw.serving.max_num_seqs)
     return PairRecipe(
         name=raw.name,
         target=target,
         draft=draft,
         dtype=raw.dtype,
-        speculation=Speculation(num_speculative_tokens=raw.speculation.num_speculative_tokens),
+        speculation=_speculation(raw, batch),
         serving=Serving(max_num_seqs=raw.serving.max_num_seqs, max_model_len=mml, max_num_batched_tokens=mnbt),
         parallel=Parallel(tp_degree=raw.parallel.tp_degree, padded_hidden_size=raw.parallel.padded_hidden_size),
         buckets=Buckets(
             prefill=list(raw.buckets.prefill) if raw.buckets.prefill is not None else default_prefill_buckets(mnbt),
-            batch=list(raw.buckets.batch) if raw.buckets.batch is not None else default_batch_buckets(raw.serving.max_num_seqs),
+            batch=batch,
         ),
         backend=raw.backend,
         backend_options=dict(raw.backend_options),

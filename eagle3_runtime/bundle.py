@@ -200,6 +200,14 @@ class Bundle:
         for kv in self.state.values():
             kv[:, :, dst].copy_(kv[:, :, src])
 
+    def compact_kv(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Move the target KV of an accepted tree path into place: slots `src` -> `dst` of one row
+        (all slots read before any is written)."""
+        if getattr(self, "nxd", None):
+            raise BundleError("token trees are not yet served on the neuron backend (KV compaction)")
+        kv = self.state["target_kv"]
+        kv[:, :, row, :, dst] = kv[:, :, row, :, src]
+
     def graph(self, role: str, bucket: int) -> Graph:
         try:
             return self.graphs[(role, bucket)]

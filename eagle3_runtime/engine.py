@@ -4,13 +4,16 @@ Sequence state: `ids` = prompt + generated; the last id is *pending* (not yet in
 cache) at position p = len(ids) - 1. Active sequences occupy KV-cache rows 0..n-1 (a finished row
 is refilled by moving the last row into it), so a batch-bucket-b graph works on rows 0..b-1.
 
-One step = at most one prefill (a waiting request, into row n) + one decode step for all rows:
+One step = at most one prefill (a waiting request, into row n) + one decode step for all rows, in
+the speculation shape of the batch bucket it runs (manifest.SpecShape: a chain, a tree or none):
 
   speculative round (any row can speculate):
-    draft K tokens   d_1 from the last prefill/catch-up, d_2..d_K from draft_step at p..p+K-2
-    verify           target runs [pending, d_1..d_K] at p..p+K -> logits for K+1 positions
-    accept           greedy prefix match, or probabilistic rejection (sampling.verify_sampled)
-    catch-up         draft re-runs positions p..p+a with the target's aux states -> next d_1
+    draft     the root's children from the last prefill / catch-up, then depth - 1 draft_step calls
+              over the frontier (tree.py)
+    verify    target runs the tree's N nodes (node i at KV slot p + i) in one pass
+    accept    greedy: the longest path of target-argmax tokens; sampled: recursive rejection
+              (sampling.verify_tree_sampled); the accepted nodes' KV moves to p..p+a
+    catch-up  draft re-runs positions p..p+a with the target's aux states -> the next root's children
   rows past the speculation cutoff (manifest.can_speculate) take only the verify's first token (one
   token per step; their verify writes land in the KV scratch positions of manifest.kv_cache_length);
   when no row can speculate, the plain target_decode graph runs instead.
@@ -29,9 +32,10 @@ import torch
 from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
-from .manifest import can_speculate, torch_dtype
+from .manifest import SpecShape, can_speculate, torch_dtype
 from .metrics import Metrics
-from .sampling import SamplingParams, next_token, verify_greedy, verify_sampled
+from .sampling import SamplingParams, next_token, verify_tree_sampled
+from .tree import Drafting, Tree, accept_greedy, dummy_tree
 
 
 class RequestError(Eagle3Error, ValueError):
@@ -60,9 +64,10 @@ class SpecStats:
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.k
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, drafted: int | None = None) -> None:
+        """One speculative round: `accepted` draft tokens of `drafted` (default k: a chain) verified."""
         self.num_drafts += 1
-        self.num_draft_tokens += self.k
+        self.num_draft_tokens += self.k if drafted is None else drafted
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_position[i] += 1
@@ -136,7 +141,7 @@ class Sequence:
     row: int
     gen: torch.Generator
     stats: SpecStats
-    draft_tok: int | None = None
+    draft_top: tuple[list[int], list[float]] | None = None  # the draft's top-k for the next root, log-probs
     draft_hidden: torch.Tensor | None = None
     finish_reason: str | None = None
     text: str = ""
@@ -188,13 +193,14 @@ class Engine:
         m = bundle.manifest
         self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
         self.prefill_buckets, self.batch_buckets = m.prefill_buckets, m.batch_buckets
+        self.shapes: dict[int, SpecShape] = dict(m.speculation)
         self.eos = set(m.eos_token_ids)
         self.detokenize = detokenize
         self.speculative = speculative
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
-        hidden = m.graph("draft_step", self.batch_buckets[0]).input("hidden")
-        self.hidden, self.hidden_dtype = hidden.shape[-1], torch_dtype(hidden.dtype)
+        hidden = next((o for g in m.graphs if g.role == "draft_catchup" for o in g.outputs if o.name == "hidden"), None)
+        self.hidden, self.hidden_dtype = (hidden.shape[-1], torch_dtype(hidden.dtype)) if hidden else (0, None)
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Sequence] = []
         self.target_passes = 0
@@ -299,11 +305,11 @@ class Engine:
         self.target_passes += 1
         self.metrics.prompt_tokens.inc(n)
         self._emit(seq, [next_token(out["logits"][0], req.sampling, seq.gen)])
-        if seq.finish_reason is None and self._speculates(seq):
+        if seq.finish_reason is None and self._speculates(seq) and self.K:
             nxt = torch.zeros(1, S, dtype=torch.int64)
             nxt[0, :n] = torch.tensor(seq.ids[1:n + 1])
             d = self._run("draft_prefill", S, aux=out["aux"], next_tokens=nxt, slot=slot, last=last)
-            seq.draft_tok, seq.draft_hidden = int(d["token"][0]), d["hidden"][0]
+            seq.draft_top, seq.draft_hidden = (d["token"][0].tolist(), d["logprob"][0].tolist()), d["hidden"][0]
 
     def _run(self, role: str, bucket: int, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Call one compiled graph with its inputs by name (manifest.ROLES) -> its outputs by name,
@@ -320,12 +326,13 @@ class Engine:
     # ------------------------------------------------------------------ decode
 
     def _decode_step(self) -> str:
-        K, L = self.K, self.max_len
         n = len(self.active)
         bsz = pick_bucket(self.batch_buckets, n)
-        spec = [s.draft_tok is not None and can_speculate(s.pos, K, L) for s in self.active]
+        shape = self.shapes[bsz]
+        spec = [shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
+                for s in self.active]
         if any(spec):
-            self._spec_round(bsz, spec)
+            self._spec_round(bsz, shape, spec)
             return "speculative"
         self._plain_round(bsz)
         return "decode"
@@ -340,54 +347,82 @@ class Engine:
         for s in self.active:
             self._emit(s, [next_token(logits[s.row], s.req.sampling, s.gen)])
 
-    def _spec_round(self, bsz: int, spec: list[bool]) -> None:
-        K = self.K
-        rows = self.active
-        # 1. draft K tokens per row (rows without a draft state get dummies and are ignored)
-        drafts = torch.zeros(bsz, K, dtype=torch.int64)
-        hidden = torch.zeros(bsz, self.hidden, dtype=self.hidden_dtype)
+    def _draft_tree(self, bsz: int, shape: SpecShape, start: torch.Tensor,
+                    drafting: dict[int, Drafting]) -> None:
+        """The depth - 1 draft steps: each expands every row's frontier by its top-k children."""
+        W, M = shape.width, shape.dims()["M"]
+        prev = None  # the previous step's hidden states [bsz, W, Hd]
+        for step in range(1, shape.depth):
+            hidden = torch.zeros(bsz, W, self.hidden, dtype=self.hidden_dtype)
+            tokens = torch.zeros(bsz, W, dtype=torch.int64)
+            offsets = (step - 1) * W + torch.arange(W)
+            mask = torch.zeros(bsz, W, M, dtype=torch.bool)
+            mask[:, torch.arange(W), offsets] = True
+            for s in self.active:
+                dr = drafting.get(s.row)
+                if dr is None:
+                    continue
+                toks, parent_slot, _, mask[s.row] = dr.step_inputs(step)
+                tokens[s.row] = torch.tensor(toks)
+                for w, ps in enumerate(parent_slot):
+                    hidden[s.row, w] = s.draft_hidden if ps < 0 else prev[s.row, ps]
+            positions = (start + step - 1)[:, None].expand(bsz, W).contiguous()
+            d = self._run("draft_step", bsz, hidden=hidden, tokens=tokens, positions=positions,
+                          slots=start[:, None] + offsets, start=start, tree_mask=mask)
+            prev = d["hidden"]
+            for row, dr in drafting.items():
+                dr.expand(d["token"][row], d["logprob"][row])
+
+    def _spec_round(self, bsz: int, shape: SpecShape, spec: list[bool]) -> None:
+        rows, N, T = self.active, shape.num_nodes, shape.depth + 1
         start = torch.zeros(bsz, dtype=torch.int64)
-        for s, ok in zip(rows, spec):
-            start[s.row] = s.pos
-            if ok:
-                drafts[s.row, 0], hidden[s.row] = s.draft_tok, s.draft_hidden
-        tok = drafts[:, 0].clone()
-        for k in range(1, K):
-            d = self._run("draft_step", bsz, hidden=hidden, tokens=tok, pos=(start - 1 + k).clamp(min=0))
-            tok, hidden = d["token"], d["hidden"]
-            drafts[:, k] = tok
-        # 2. verify all K+1 positions in one target pass
-        verify_in = torch.zeros(bsz, K + 1, dtype=torch.int64)
         for s in rows:
-            verify_in[s.row, 0] = s.ids[-1]
-        verify_in[:, 1:] = drafts
-        v = self._run("target_verify", bsz, tokens=verify_in, start=start)
+            start[s.row] = s.pos
+        # 1. draft a tree per row (rows that cannot speculate get their pending token alone)
+        drafting = {s.row: Drafting(shape, s.ids[-1], *s.draft_top) for s, ok in zip(rows, spec) if ok}
+        self._draft_tree(bsz, shape, start, drafting)
+        trees: dict[int, Tree] = {}
+        tokens = torch.zeros(bsz, N, dtype=torch.int64)
+        positions = torch.zeros(bsz, N, dtype=torch.int64)
+        mask = torch.eye(N, dtype=torch.bool).repeat(bsz, 1, 1)
+        for s in rows:
+            t = trees[s.row] = drafting[s.row].tree() if s.row in drafting else dummy_tree(shape, s.ids[-1])
+            tokens[s.row], positions[s.row], mask[s.row] = torch.tensor(t.tokens), s.pos + torch.tensor(t.depths), t.mask()
+        # 2. verify every node in one target pass
+        v = self._run("target_verify", bsz, tokens=tokens, positions=positions, start=start, tree_mask=mask)
         logits = v["logits"]
         self.target_passes += 1
-        # 3. accept per row
-        nxt = torch.zeros(bsz, K + 1, dtype=torch.int64)
+        # 3. accept per row; the accepted nodes' KV moves to slots p..p+a
+        paths = torch.zeros(bsz, T, dtype=torch.int64)
+        nxt = torch.zeros(bsz, T, dtype=torch.int64)
         last = torch.zeros(bsz, dtype=torch.int64)
         for s, ok in zip(rows, spec):
             if ok:
-                d = drafts[s.row].tolist()
+                t, p = trees[s.row], s.pos
                 if s.req.sampling.greedy:
-                    a, new = verify_greedy(logits[s.row], d)
+                    g = logits[s.row].argmax(-1).tolist()
+                    path = accept_greedy(t, g)
+                    new = [t.tokens[i] for i in path[1:]] + [g[path[-1]]]
                 else:
-                    a, new = verify_sampled(logits[s.row], d, s.req.sampling, s.gen)
-                s.stats.record(a)
-                self.metrics.record_draft(a)
-                nxt[s.row, :a + 1] = torch.tensor(new)
-                last[s.row] = a
-            else:  # past the speculation cutoff: one token from the verify's first position
-                new = [next_token(logits[s.row, 0], s.req.sampling, s.gen)]
-            self._emit(s, new)
+                    path, new = verify_tree_sampled(logits[s.row], t, s.req.sampling, s.gen)
+                a = len(path) - 1
+                s.stats.record(a, N - 1)
+                self.metrics.record_draft(a, N - 1)
+                paths[s.row, :a + 1], nxt[s.row, :a + 1], last[s.row] = torch.tensor(path), torch.tensor(new), a
+                self._emit(s, new)
+                moved = [(p + j, p + m) for m, j in enumerate(path) if j != m]  # (none for a chain)
+                if moved and s.finish_reason is None:
+                    self.bundle.compact_kv(s.row, [x for x, _ in moved], [y for _, y in moved])
+            else:  # past the speculation cutoff: one token from the verify's first node
+                self._emit(s, [next_token(logits[s.row, 0], s.req.sampling, s.gen)])
         # 4. catch the draft up on the accepted positions (rows that finished or cannot speculate
         #    write only into their own, soon irrelevant, draft cache entries)
         if any(ok and s.finish_reason is None for s, ok in zip(rows, spec)):
-            d = self._run("draft_catchup", bsz, aux=v["aux"], next_tokens=nxt, start=start, last=last)
+            aux = v["aux"].gather(1, paths[:, :, None].expand(bsz, T, v["aux"].shape[-1]))
+            d = self._run("draft_catchup", bsz, aux=aux, next_tokens=nxt, start=start, last=last)
             for s, ok in zip(rows, spec):
                 if ok:
-                    s.draft_tok, s.draft_hidden = int(d["token"][s.row]), d["hidden"][s.row]
+                    s.draft_top, s.draft_hidden = (d["token"][s.row].tolist(), d["logprob"][s.row].tolist()), d["hidden"][s.row]
 
     # ------------------------------------------------------------------ output
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 2  # 2: graph keys, bundle digest, build record
+SCHEMA_VERSION = 3  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
@@ -52,16 +52,133 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# ------------------------------------------------------------------ speculation shapes
+#
+# Every batch bucket has one speculation shape. A speculative round drafts a tree rooted at the
+# pending token: the root's children are the draft's top-k at the pending position; each of
+# `depth - 1` draft steps expands `width` frontier nodes by their top-k children; `num_nodes` nodes
+# (the root included) are verified in one target pass. Dynamic trees (SGLang's --speculative-eagle-topk /
+# --speculative-num-draft-tokens) keep the best `width` new nodes as the frontier and verify the
+# num_nodes - 1 best drafted nodes by cumulative draft log-probability; static trees (TensorRT-LLM's
+# eagle_choices) fix the nodes as paths of child ranks. A chain of K is the tree (K, 1, 1, K + 1).
+MAX_DEPTH = 16
+MAX_NODES = 128
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpecShape(_Strict):
+    depth: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # draft tokens on the longest path; 0 = no speculation
+    topk: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # children per expanded node
+    width: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # nodes expanded per draft step
+    num_nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # nodes per verify pass, the root included
+    choices: list[list[Annotated[int, Field(ge=0, le=MAX_NODES)]]] | None = None  # static tree: paths of ranks
+
+    @model_validator(mode="after")
+    def _valid(self) -> "SpecShape":
+        if self.depth == 0:
+            if (self.topk, self.width, self.num_nodes, self.choices) != (1, 1, 1, None):
+                raise ValueError("a shape without speculation (depth 0) has topk 1, width 1, num_nodes 1, no choices")
+        elif self.choices is not None:
+            if self != static_tree(self.choices):
+                raise ValueError("topk / width / num_nodes / depth do not match the static tree's choices")
+        elif self.width > self.topk or self.width > self.topk ** 2:
+            raise ValueError(f"width {self.width} exceeds topk {self.topk}")
+        elif not self.depth <= self.num_nodes - 1 <= max_tree_nodes(self.depth, self.topk) - 1:
+            raise ValueError(f"num_nodes {self.num_nodes} must be in [depth + 1, {max_tree_nodes(self.depth, self.topk)}]"
+                             f" for depth {self.depth}, topk {self.topk}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "none" if self.depth == 0 else "static" if self.choices is not None else (
+            "chain" if self.topk == 1 else "dynamic")
+
+    @property
+    def speculates(self) -> bool:
+        return self.depth > 0
+
+    @property
+    def scratch(self) -> int:
+        """KV positions past a row's pending one that a round writes: the verify's nodes (target) and
+        the draft steps' frontier nodes (draft)."""
+        return max(self.num_nodes - 1, (self.depth - 1) * self.width)
+
+    def describe(self) -> str:
+        return {"none": "no speculation", "chain": f"chain K {self.depth}",
+                "dynamic": f"tree depth {self.depth} topk {self.topk} nodes {self.num_nodes}",
+                "static": f"static tree depth {self.depth} nodes {self.num_nodes}"}[self.kind]
+
+    def dims(self) -> dict[str, int]:
+        """The shape symbols of the role table."""
+        return {"N": self.num_nodes, "T": self.depth + 1, "W": self.width, "k": self.topk,
+                "M": max(1, (self.depth - 1) * self.width)}
+
+
+NO_SPECULATION = SpecShape(depth=0)
+
+
+def chain(K: int) -> SpecShape:
+    return SpecShape(depth=K, num_nodes=K + 1) if K else NO_SPECULATION
+
+
+def max_tree_nodes(depth: int, topk: int) -> int:
+    """The most nodes a dynamic tree can verify: the root, its topk children, then topk**2 candidates per
+    further draft step."""
+    return 1 + topk + (depth - 1) * topk * topk if depth else 1
+
+
+def dynamic_tree(depth: int, topk: int, num_nodes: int) -> SpecShape:
+    return SpecShape(depth=depth, topk=topk, width=topk, num_nodes=num_nodes) if topk > 1 else chain(depth)
+
+
+def static_tree(choices: list[list[int]]) -> SpecShape:
+    """The shape of a static tree given as TensorRT-LLM's eagle_choices: each path of child ranks names
+    one node; the set must be prefix-closed. Raises ValueError naming the first bad path."""
+    paths = [tuple(c) for c in choices]
+    if not paths:
+        raise ValueError("choices is empty: give paths such as [[0], [1], [0, 0]]")
+    seen = set()
+    for c in paths:
+        if not c:
+            raise ValueError("choices: an empty path [] (the root is implied)")
+        if c in seen:
+            raise ValueError(f"choices: {list(c)} appears twice")
+        if len(c) > 1 and c[:-1] not in set(paths):
+            raise ValueError(f"choices: {list(c)} has no parent {list(c[:-1])} (the paths must be prefix-closed)")
+        seen.add(c)
+    depth = max(len(c) for c in paths)
+    if depth > MAX_DEPTH or len(paths) + 1 > MAX_NODES:
+        raise ValueError(f"choices: at most depth {MAX_DEPTH} and {MAX_NODES - 1} paths")
+    parents = {c[:-1] for c in paths if len(c) > 1}
+    width = max([sum(len(p) == m for p in parents) for m in range(1, depth)] or [1])
+    return SpecShape.model_construct(depth=depth, topk=max(c[-1] for c in paths) + 1, width=width,
+                                     num_nodes=len(paths) + 1, choices=sorted_choices(paths))
+
+
+def sorted_choices(choices) -> list[list[int]]:
+    """Static-tree paths in node order: by depth, then by ranks (parents before children)."""
+    return [list(c) for c in sorted(map(tuple, choices), key=lambda c: (len(c), c))]
+
+
 # ------------------------------------------------------------------ the graph contract
 #
 # One graph per (role, bucket), called as
 #     graph(weights: tuple[Tensor, ...], kv: Tensor, rank: Tensor[1], *inputs) -> tuple[Tensor, ...]
 # weights in the order GraphEntry.weights lists them, `kv` the model's static KV cache (mutated in
 # place), the rank as an int64 tensor (one graph serves every rank), then the role's inputs below.
-# Shape symbols: n the bucket (prefill length S or batch size b), T = K + 1 (the verify width),
-# A = 3 x the padded target hidden (aux states), Hd the padded draft hidden, V the target vocab.
+# Shape symbols: n the bucket (prefill length S or batch size b); from the bucket's SpecShape N (nodes
+# per verify), T = depth + 1 (the longest accepted path with its bonus token), W (nodes per draft
+# step), k (children per node; prefill: the largest k of any bucket), M (draft-step scratch); A = 3 x the
+# padded target hidden (aux states), Hd the padded draft hidden, V the target vocab.
 # Dtypes: a manifest dtype, "model" (the bundle dtype) or "index" (int64; int32 where the backend
 # asks: Neuron). Outputs are what the runtime returns (integer outputs int64 on every backend).
+#
+# Tree inputs: node i of a row sits at KV slot start + i (verify) or at `slots` (draft step) and at RoPE
+# position `positions`; it sees every committed slot < start and the scratch slots start + j with
+# tree_mask[i, j] (its ancestors and itself).
 
 
 @dataclass(frozen=True)
@@ -81,31 +198,33 @@ class Role:
     inputs: tuple[Port, ...]  # after the rank, in call order
     outputs: tuple[Port, ...]
     token_input: str  # the input whose size is the tokens one call processes
+    needs_depth: int = 0  # compiled for a bucket whose shape has at least this depth
 
     def graph_name(self, bucket: int) -> str:
         return f"{self.name}_{'s' if self.bucket_kind == 'prefill' else 'b'}{bucket}"
 
-    def input_specs(self, bucket: int, *, K: int, target_hidden: int, draft_hidden: int, dtype: str,
+    def input_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, dtype: str,
                     index_dtype: str = "int64") -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype name) of every input in call order, the rank first."""
-        dims = _dims(bucket, K, target_hidden, draft_hidden, 0)
+        dims = _dims(bucket, shape, target_hidden, draft_hidden, 0)
         return [(RANK.name, list(RANK.shape), RANK.dtype)] + [_resolve(p, dims, dtype, index_dtype) for p in self.inputs]
 
-    def output_specs(self, bucket: int, *, K: int, target_hidden: int, draft_hidden: int, vocab: int,
+    def output_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, vocab: int,
                      dtype: str) -> list[tuple[str, list[int], str]]:
-        dims = _dims(bucket, K, target_hidden, draft_hidden, vocab)
+        dims = _dims(bucket, shape, target_hidden, draft_hidden, vocab)
         return [_resolve(p, dims, dtype, "int64") for p in self.outputs]
 
-    def tokens_per_call(self, bucket: int, K: int) -> int:
+    def tokens_per_call(self, bucket: int, shape: SpecShape) -> int:
         (port,) = [p for p in self.inputs if p.name == self.token_input]
-        return math.prod(_dims(bucket, K, 0, 0, 0)[d] if isinstance(d, str) else d for d in port.shape)
+        dims = _dims(bucket, shape, 0, 0, 0)
+        return math.prod(dims[d] if isinstance(d, str) else d for d in port.shape)
 
 
 RANK = Port("rank", (1,), "int64")  # always int64: a portable graph's input, Neuron's per-rank weight
 
 
-def _dims(n: int, K: int, target_hidden: int, draft_hidden: int, vocab: int) -> dict[str, int]:
-    return {"n": n, "T": K + 1, "A": 3 * target_hidden, "Hd": draft_hidden, "V": vocab}
+def _dims(n: int, shape: SpecShape, target_hidden: int, draft_hidden: int, vocab: int) -> dict[str, int]:
+    return {"n": n, **shape.dims(), "A": 3 * target_hidden, "Hd": draft_hidden, "V": vocab}
 
 
 def _resolve(p: Port, dims: dict[str, int], dtype: str, index_dtype: str) -> tuple[str, list[int], str]:
@@ -126,54 +245,73 @@ def _ports(*specs: str) -> tuple[Port, ...]:
 ROLES: dict[str, Role] = {r.name: r for r in (
     Role("target_prefill", "target", "prefill", _ports("tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
          _ports("logits[1,V]:float32", "aux[1,n,A]:model"), "tokens"),
-    Role("target_verify", "target", "batch", _ports("tokens[n,T]:index", "start[n]:index"),
-         _ports("logits[n,T,V]:float32", "aux[n,T,A]:model"), "tokens"),
+    Role("target_verify", "target", "batch",
+         _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:bool"),
+         _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1),
     Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
-         _ports("logits[n,V]:float32"), "tokens"),
+         _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens"),
     Role("draft_prefill", "draft", "prefill",
          _ports("aux[1,n,A]:model", "next_tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
-         _ports("token[1]:int64", "hidden[1,Hd]:model"), "next_tokens"),
+         _ports("token[1,k]:int64", "logprob[1,k]:float32", "hidden[1,Hd]:model"), "next_tokens", needs_depth=1),
     Role("draft_catchup", "draft", "batch",
          _ports("aux[n,T,A]:model", "next_tokens[n,T]:index", "start[n]:index", "last[n]:index"),
-         _ports("token[n]:int64", "hidden[n,Hd]:model"), "next_tokens"),
-    Role("draft_step", "draft", "batch", _ports("hidden[n,Hd]:model", "tokens[n]:index", "pos[n]:index"),
-         _ports("token[n]:int64", "hidden[n,Hd]:model"), "tokens"),
+         _ports("token[n,k]:int64", "logprob[n,k]:float32", "hidden[n,Hd]:model"), "next_tokens", needs_depth=1),
+    Role("draft_step", "draft", "batch",
+         _ports("hidden[n,W,Hd]:model", "tokens[n,W]:index", "positions[n,W]:index", "slots[n,W]:index",
+                "start[n]:index", "tree_mask[n,W,M]:bool"),
+         _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2),
 )}
-# derived views: both prefill roles per prefill bucket, every batch role per batch bucket
+# derived views
 PREFILL_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "prefill")
 BATCH_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "batch")
 ROLE_MODEL = {r.name: r.model for r in ROLES.values()}
 
 
-def plan_roles(prefill_buckets: list[int], batch_buckets: list[int]) -> list[tuple[str, int]]:
-    """Every (role, bucket) a bundle has, in build order (target_decode always: it is the
-    speculation-cutoff fallback)."""
-    return ([(r, s) for s in prefill_buckets for r in PREFILL_ROLES]
-            + [(r, b) for b in batch_buckets for r in BATCH_ROLES])
+def prefill_shape(speculation: dict[int, SpecShape]) -> SpecShape:
+    """What the prefill graphs are built for: the deepest shape, with the largest topk of any bucket
+    (draft_prefill proposes the root's children for whichever bucket the row decodes in)."""
+    deepest = max(speculation.values(), key=lambda s: (s.depth, s.topk))
+    k = max(s.topk for s in speculation.values())
+    return deepest if deepest.topk == k else SpecShape.model_construct(**{**deepest.__dict__, "topk": k})
+
+
+def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape]) -> list[tuple[str, int]]:
+    """Every (role, bucket) a bundle has, in build order: per batch bucket the roles its shape needs
+    (target_decode always: the plain round and the speculation-cutoff fallback), the prefill roles per
+    prefill bucket (draft_prefill if any bucket speculates)."""
+    depth = max(s.depth for s in speculation.values())
+    return ([(r, s) for s in prefill_buckets for r in PREFILL_ROLES if depth >= ROLES[r].needs_depth]
+            + [(r, b) for b, shape in speculation.items() for r in BATCH_ROLES if shape.depth >= ROLES[r].needs_depth])
+
+
+def graph_shape(role: str, bucket: int, speculation: dict[int, SpecShape]) -> SpecShape:
+    """The speculation shape one graph is built for."""
+    return prefill_shape(speculation) if role in PREFILL_ROLES else speculation[bucket]
 
 
 # ------------------------------------------------------------------ the KV scratch rule
 #
-# A row at pending position p speculates while p + K <= max_model_len - 1; a row past that cutoff
-# still rides along in a verify batch, which writes K + 1 positions from p. So every KV-cache row has
-# K scratch positions past max_model_len, rounded up to KV_ALIGN so that the cache (and every graph
-# but verify / catch-up) keeps its shape when only K changes.
+# A row at pending position p speculates while p + depth <= max_model_len - 1 (its accepted tokens
+# stay inside max_model_len); a row past that cutoff still rides along in a verify batch, which writes
+# N positions from p, and in the draft steps. So every KV-cache row has the largest shape's scratch
+# positions past max_model_len, rounded up to KV_ALIGN so that the cache (and every graph but verify /
+# catch-up / step) keeps its shape when only the speculation shape changes.
 KV_ALIGN = 64
 
 
-def can_speculate(pos: int, K: int, max_model_len: int) -> bool:
-    return pos + K <= max_model_len - 1
+def can_speculate(pos: int, depth: int, max_model_len: int) -> bool:
+    return pos + depth <= max_model_len - 1
 
 
-def min_max_model_len(K: int) -> int:
-    """The smallest max_model_len for K speculative tokens, K + 2: the pending token sits at p >= 1 (a
-    prompt has a token) and can_speculate needs p + K <= max_model_len - 1."""
-    return int(K) + 2
+def min_max_model_len(depth: int) -> int:
+    """The smallest max_model_len for `depth` speculative tokens, depth + 2: the pending token sits at
+    p >= 1 (a prompt has a token) and can_speculate needs p + depth <= max_model_len - 1."""
+    return int(depth) + 2
 
 
-def kv_cache_length(max_model_len: int, num_speculative_tokens: int) -> int:
-    """Positions per KV-cache row: max_model_len + K scratch positions, rounded up to KV_ALIGN."""
-    need = max_model_len + num_speculative_tokens
+def kv_cache_length(max_model_len: int, scratch: int) -> int:
+    """Positions per KV-cache row: max_model_len + the scratch positions, rounded up to KV_ALIGN."""
+    need = max_model_len + scratch
     return -(-need // KV_ALIGN) * KV_ALIGN
 
 
@@ -205,10 +343,6 @@ class BundleError(Eagle3Error):
 
 class SchemaError(BundleError):
     """A manifest schema version this runtime cannot read."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class TensorSpec(_Strict):
@@ -270,7 +404,8 @@ class Manifest(_Strict):
     backend: str
     dtype: str
     tp_degree: Count
-    num_speculative_tokens: Annotated[int, Field(ge=0, le=64)]
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # the deepest shape's depth
+    speculation: dict[Count, SpecShape]  # per batch bucket
     max_num_seqs: Count
     max_model_len: Count
     prefill_buckets: list[Count] = Field(min_length=1, max_length=64)
@@ -301,6 +436,11 @@ class Manifest(_Strict):
             b = getattr(self, key)
             if b != sorted(set(b)):
                 raise ValueError(f"{key} {b} must be strictly increasing")
+        if sorted(self.speculation) != self.batch_buckets:
+            raise ValueError(f"speculation must have one shape per batch bucket {self.batch_buckets}, "
+                             f"has {sorted(self.speculation)}")
+        if K != max(s.depth for s in self.speculation.values()):
+            raise ValueError(f"num_speculative_tokens {K} is not the deepest speculation shape's depth")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids {self.eos_token_ids} must lie in [0, vocab_size {self.vocab_size})")
         if set(self.models) != {"target", "draft"}:
@@ -313,10 +453,10 @@ class Manifest(_Strict):
         have = [(g.role, g.bucket) for g in self.graphs]
         if len(set(have)) != len(have):
             raise ValueError("graphs: more than one graph for the same role and bucket")
-        need = plan_roles(self.prefill_buckets, self.batch_buckets)
+        need = plan_roles(self.prefill_buckets, self.speculation)
         missing = [f"{r}/{b}" for r, b in need if (r, b) not in set(have)]
         if missing:
-            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs every role)")
+            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shape's roles)")
         for g in self.graphs:
             if g.model != ROLE_MODEL[g.role] or g.state not in states:
                 raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role")
@@ -329,6 +469,9 @@ class Manifest(_Strict):
         if self.digest and not DIGEST_RE.fullmatch(self.digest):
             raise ValueError("digest must be 64 lowercase hex digits (sha256)")
         return self
+
+    def scratch(self) -> int:
+        return max(s.scratch for s in self.speculation.values())
 
     def state_bytes(self) -> int:
         return sum(s.nbytes for s in self.state)

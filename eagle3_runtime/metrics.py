@@ -37,22 +37,24 @@ class Metrics:
                                        ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("eagle3_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self._drafts = self._accepted = 0
+        self._drafts = self._accepted = self._drafted = 0
         self._per_pos = [0] * k
         for i in range(k):
             self.accepted_per_pos.labels(str(i))
             self.per_pos_rate.labels(str(i))
 
-    def record_draft(self, accepted: int) -> None:
+    def record_draft(self, accepted: int, drafted: int | None = None) -> None:
+        """One speculative round: `accepted` of `drafted` draft tokens (default k: a chain)."""
         self._drafts += 1
         self._accepted += accepted
+        self._drafted += self.k if drafted is None else drafted
         self.num_drafts.inc()
-        self.num_draft_tokens.inc(self.k)
+        self.num_draft_tokens.inc(self.k if drafted is None else drafted)
         self.num_accepted.inc(accepted)
         for i in range(accepted):
             self._per_pos[i] += 1
             self.accepted_per_pos.labels(str(i)).inc()
-        self.acceptance_rate.set(self._accepted / (self._drafts * self.k))
+        self.acceptance_rate.set(self._accepted / self._drafted)
         self.acceptance_length.set(1 + self._accepted / self._drafts)
         for i in range(self.k):
             self.per_pos_rate.labels(str(i)).set(self._per_pos[i] / self._drafts)

@@ -15,9 +15,13 @@ Every random draw takes the caller's `torch.Generator`, so a seed reproduces the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .tree import Tree
 
 # vLLM's rule: a temperature below this is treated as greedy (dividing by it would overflow).
 _GREEDY_EPS = 1e-5
@@ -153,3 +157,42 @@ def verify_sampled(logits: Tensor, drafts: list[int], p: SamplingParams,
     if not residual.sum() > 0:  # unreachable after normalisation (all mass on d means p_a(d) = 1); guard
         residual = probs[a]
     return a, list(drafts[:a]) + [sample(residual, gen)]
+
+
+def verify_tree_sampled(logits: Tensor, tree: "Tree", p: SamplingParams,
+                        gen: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """Speculative sampling over a token tree; returns (accepted path of node indices from the root,
+    the path's tokens + the corrected/bonus token). logits [N, V] per node.
+
+    Recursive rejection over siblings with deterministic draft candidates (SpecInfer's multi-draft
+    verification; EAGLE-2 / SGLang's target-only tree sampling): at node u, with r = p_u, try u's
+    children in draft order, accepting child x with probability r(x) / sum(r); on rejection r(x) = 0
+    and the next child is tried. When no child is accepted the emitted token is a sample of r. Each
+    emitted token then has exactly the target's distribution p_u (zeroing a rejected x and
+    renormalising is the residual norm(max(p - onehot(x), 0)) of the one-candidate case). A chain goes
+    to verify_sampled, its one-child case.
+    """
+    kids = tree.children()
+    if all(len(k) <= 1 for k in kids) and kids[-1] == [] and all(kids[i] == [i + 1] for i in range(len(kids) - 1)):
+        a, new = verify_sampled(logits, tree.tokens[1:], p, gen)
+        return list(range(a + 1)), new
+    probs = target_probs(logits, p)  # [N, V]
+    path = [0]
+    while True:
+        u = path[-1]
+        r = probs[u].clone()
+        accepted = None
+        for c in kids[u]:
+            x = tree.tokens[c]
+            total = float(r.sum())
+            if not total > 0:
+                break
+            if float(torch.rand(1, generator=gen, dtype=torch.float64)) * total < float(r[x]):
+                accepted = c
+                break
+            r[x] = 0.0
+        if accepted is None:
+            if not r.sum() > 0:  # unreachable (a token of all the mass is always accepted); guard
+                r = probs[u]
+            return path, [tree.tokens[i] for i in path[1:]] + [sample(r, gen)]
+        path.append(accepted)

@@ -25,6 +25,7 @@ from .reader import read_manifest
 
 STOP = -1
 COPY_ROW = -2
+COMPACT = -3  # header [COMPACT, row, n], then int64 [2, n]: source and destination slots
 
 THREADS_ENV = "EAGLE3_NUM_THREADS"
 
@@ -149,6 +150,14 @@ def wrap_driver(bundle: Bundle, ctx: TPContext) -> None:
         local_copy(src, dst)
 
     bundle.copy_kv_row = copy_kv_row
+    local_compact = bundle.compact_kv
+
+    def compact_kv(row: int, src: list[int], dst: list[int]) -> None:
+        dist.broadcast(torch.tensor([COMPACT, row, len(src)], dtype=torch.int64), src=0, group=ctx.ctrl)
+        dist.broadcast(torch.tensor([src, dst], dtype=torch.int64), src=0, group=ctx.ctrl)
+        local_compact(row, src, dst)
+
+    bundle.compact_kv = compact_kv
 
 
 def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
@@ -163,6 +172,11 @@ def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
                 return
             if idx == COPY_ROW:
                 bundle.copy_kv_row(a, b)
+                continue
+            if idx == COMPACT:
+                slots = torch.empty(2, b, dtype=torch.int64)
+                dist.broadcast(slots, src=0, group=ctx.ctrl)
+                bundle.compact_kv(a, slots[0].tolist(), slots[1].tolist())
                 continue
             g = graphs[idx]
             inputs = [torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in g.entry.inputs[1:]]  # [0] is rank

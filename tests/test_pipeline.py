@@ -102,14 +102,14 @@ def test_check_verdicts_and_exit_codes(world, tmp_path):
     tp = run_cli("eagle3-build", "check", str(world["single"]), "--ranks", "2")
     assert tp.returncode == 5 and "tp_degree 1" in tp.stderr
 
-    from eagle3_runtime.manifest import Manifest
+    from eagle3_runtime.manifest import SCHEMA_VERSION, Manifest
 
     def variant(name, **update):
         b = tmp_path / name
         shutil.copytree(world["single"], b)
         raw = json.loads((b / "manifest.json").read_text())
         raw.update(update)
-        if raw.get("schema_version") == 2:
+        if raw.get("schema_version") == SCHEMA_VERSION:
             m = Manifest.model_validate(raw)
             raw["digest"] = m.compute_digest()
         (b / "manifest.json").write_text(json.dumps(raw))

@@ -219,6 +219,11 @@ class ModelGraphs:
         first: refuse that here, naming both graphs."""
         seen: dict[str, str] = {}
         for key in self.keys():
+            topks = {s.shape.topk for s, _ in self.graphs if s.role == key}
+            if len(topks) > 1:
+                raise UserError(f"backend neuron: the {key} graphs of the {self.name} need one topk for every batch "
+                                f"bucket (one NxD key traces one module), got {sorted(topks)}; use the same "
+                                "speculation.tree.topk in every speculation.per_batch_bucket entry")
             names = [s.name for s, _ in self.graphs if s.role == key] or [KV_MOVE]
             for name, example in zip(names, self.examples(key)):
                 sig = routing_signature(example)
@@ -275,12 +280,12 @@ class NeuronKey(nn.Module):
     """One ModelBuilder key: `role` over the shared weights, state and rank weight; returns the role's
     outputs, zeros[1] up to n_out, then the new KV cache (aliased to the state)."""
 
-    def __init__(self, role: str, shared: DeviceModel, n_role_inputs: int, n_out: int):
+    def __init__(self, role: str, shared: DeviceModel, n_role_inputs: int, n_out: int, shape=None):
         super().__init__()
         self.model, self.kv, self.rank_util = shared.model, shared.kv, shared.rank_util
         self.role, self.n_role_inputs, self.n_out = role, n_role_inputs, n_out
         # kept out of the module tree (a plain attribute): its parameters are the model's, named model.*
-        object.__setattr__(self, "_role_module", None if role == KV_MOVE else ROLE_MODULES[role](shared.model))
+        object.__setattr__(self, "_role_module", None if role == KV_MOVE else ROLE_MODULES[role](shared.model, shape))
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         cache = KVCache(self.kv, functional=True)
@@ -294,17 +299,27 @@ class NeuronKey(nn.Module):
         return (*outs, *fill, cache.kv)
 
 
-class TargetKey(NeuronKey):
+class Key3(NeuronKey):
     def forward(self, input0, input1, input2):
         return self.run((input0, input1, input2))
 
 
-class DraftKey(NeuronKey):
+class Key4(NeuronKey):
     def forward(self, input0, input1, input2, input3):
         return self.run((input0, input1, input2, input3))
 
 
-KEY_CLASSES = {3: TargetKey, 4: DraftKey}  # by arity (no *args: NxD's tracing takes explicit parameters)
+class Key5(NeuronKey):
+    def forward(self, input0, input1, input2, input3, input4):
+        return self.run((input0, input1, input2, input3, input4))
+
+
+class Key6(NeuronKey):
+    def forward(self, input0, input1, input2, input3, input4, input5):
+        return self.run((input0, input1, input2, input3, input4, input5))
+
+
+KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's tracing takes explicit parameters)
 
 
 def _no_checkpoint():
@@ -355,8 +370,10 @@ class NeuronBackend(Backend):
         builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
                                compiler_workdir=str(workdir), logical_nc_config=self.lnc)
         n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1}
+        shapes = {spec.role: spec.shape for spec, _ in mg.graphs}
         for key in mg.keys():
-            instance = BaseModelInstance(functools.partial(key_cls, key, shared, n_inputs[key], mg.n_out),
+            instance = BaseModelInstance(functools.partial(key_cls, key, shared, n_inputs[key], mg.n_out,
+                                                           shapes.get(key)),
                                          input_output_aliases={shared.kv: mg.n_out})
             builder.add(key=key, model_instance=instance, example_inputs=mg.examples(key),
                         compiler_args=shlex.join(self.role_args[key]),

@@ -7,7 +7,7 @@ embedding of the NEXT token t_{i+1}, at RoPE position i, and predicts t_{i+2}:
     en  = input_layernorm(embed(t_{i+1})); xn = hidden_norm(x)
     r   = (xn if norm_before_residual else x) + o_proj(attn(cat[en, xn]))
     out = r + mlp(post_attention_layernorm(r))
-    tok = argmax(lm_head(norm(out))) + d2t[argmax]          # d2t holds offsets into the target vocab
+    tok = topk(lm_head(norm(out))) + d2t[topk]              # d2t holds offsets into the target vocab
 Recurrent steps feed x = out (norm(out) if norm_output) and the previous draft token, position + 1.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from .layout import Layout
 from .linear import Linear
-from .llama import MLP, Attention, Comm, KVCache, RMSNorm, Rope, VocabEmbedding, vocab_parallel_logits
+from .llama import MLP, Attention, Comm, KVCache, RMSNorm, Rope, VocabEmbedding, Where, vocab_parallel_logits, where
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,10 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(Hp, a.rms_norm_eps, H)
         self.post_attention_layernorm = RMSNorm(Hp, a.rms_norm_eps, H)
 
-    def forward(self, e, x, cos, sin, cache, rows, positions, prefill):
+    def forward(self, e, x, cos, sin, cache, at: Where):
         en, xn = self.input_layernorm(e), self.hidden_norm(x)
         res = xn if self.norm_before_residual else x
-        h = res + self.self_attn(torch.cat([en, xn], dim=-1), cos, sin, cache, 0, rows, positions, prefill)
+        h = res + self.self_attn(torch.cat([en, xn], dim=-1), cos, sin, cache, 0, at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -96,23 +96,26 @@ class Eagle3Draft(nn.Module):
             aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux)
 
-    def propose(self, out: torch.Tensor) -> torch.Tensor:
-        """Greedy draft token (target vocab id) from the layer output."""
-        idx = vocab_parallel_logits(self.norm(out), self.lm_head.weight, self.args.draft_vocab_size,
-                                    self.comm).argmax(dim=-1)
+    def propose(self, out: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's k most likely next tokens (target vocab ids, best first) and their log-probs
+        (float32), [.., k] each, from the layer output."""
+        logits = vocab_parallel_logits(self.norm(out), self.lm_head.weight, self.args.draft_vocab_size, self.comm)
+        logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         if not self.args.has_d2t:
-            return idx
+            return idx, logp
         idx = idx.to(self.d2t.dtype)  # (int64, or int32 on Neuron)
-        return idx + self.d2t[idx]
+        return idx + self.d2t[idx], logp
 
     def recurrent_hidden(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out) if self.args.norm_output else out
 
-    def forward(self, x, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor):
+    def forward(self, x, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor,
+                slots=None, start=None, tree_mask=None):
         cache = KVCache.of(cache)
+        at = where(cache, rows, positions, prefill, slots, start, tree_mask)
         e = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, x.dtype)
-        return self.midlayer(e, x, cos, sin, cache, rows, positions, prefill)
+        return self.midlayer(e, x, cos, sin, cache, at)
 
 
 def draft_layout(a: Eagle3Args, tp: int, padded_hidden: int | None = None,

@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .layout import Layout
 from .linear import Linear
-from .llama import Comm, DecoderStack, RMSNorm, apply_rope, llama_layout, rope_params
+from .llama import Comm, DecoderStack, RMSNorm, Where, apply_rope, llama_layout, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -130,21 +130,22 @@ class Attention(nn.Module):
         self.o_proj = Linear(H * d, Hp, bias=a.attention_bias)
         self.sinks = nn.Parameter(torch.empty(H))
 
-    def forward(self, x, cos, sin, cache, layer, rows, positions, prefill):
+    def forward(self, x, cos, sin, cache, layer, at: Where):
         b, T, _ = x.shape
         q = self.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, rows, positions, k, v)
-        if prefill:  # the prompt's own keys (positions 0..S-1)
-            keys, values, key_pos = k, v, positions[0]
-        else:  # cache rows 0..b-1, every position
+        cache.write(layer, at.rows, at.slots, k, v)
+        q_pos = at.positions[:, :, None]
+        if at.prefill:  # the prompt's own keys (positions 0..S-1)
+            keys, values, key_pos = k, v, at.positions[0]
+            visible = key_pos <= q_pos
+        else:  # cache rows 0..b-1, every slot
             keys, values = cache.read(layer, b)
             key_pos = torch.arange(cache.length, device=x.device)
-        q_pos = positions[:, :, None]
-        visible = key_pos <= q_pos
-        if self.window is not None:
+            visible = at.visible
+        if self.window is not None:  # on slots: a tree's visible keys (its ancestors) lie within its depth
             visible = visible & (key_pos > q_pos - self.window)
         o = sink_attention(q, keys, values, self.sinks, visible, self.scale)
         return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
@@ -212,8 +213,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
         self.post_attention_layernorm = GptOssRMSNorm(Hp, a.rms_norm_eps, L.hidden)
 
-    def forward(self, h, cos, sin, cache, layer, rows, positions, prefill):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, positions, prefill)
+    def forward(self, h, cos, sin, cache, layer, at: Where):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

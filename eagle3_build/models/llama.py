@@ -260,20 +260,46 @@ class KVCache:
         return self.kv.shape[4]
 
 
-def attend(q, k_new, v_new, cache: KVCache, layer: int, rows, positions, prefill: bool):
+@dataclass
+class Where:
+    """Where one call's tokens sit. rows/slots [b, T]: the cache entries their keys go to; positions
+    [b, T]: RoPE positions; visible [b, T, S]: the cache slots each query sees (None in prefill: the
+    fresh keys, causal). A chain's slots are its positions; a tree's nodes share positions per depth."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    prefill: bool
+
+
+def where(cache: KVCache, rows, positions, prefill: bool, slots=None, start=None, tree_mask=None) -> Where:
+    """Causal over positions (slots = positions), or a tree: slots < start committed, slot start + j seen
+    where tree_mask[.., j] (manifest.ROLES)."""
+    slots = positions if slots is None else slots
+    if prefill:
+        return Where(rows, slots, positions, None, True)
+    key = torch.arange(cache.length, device=positions.device)
+    if tree_mask is None:
+        return Where(rows, slots, positions, key[None, None, :] <= positions[:, :, None], False)
+    b, T, M = tree_mask.shape
+    rel = key[None, :] - start[:, None].to(key.dtype)  # [b, S]
+    seen = tree_mask.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(b, T, key.shape[0]))
+    in_tree = (rel >= 0) & (rel < M)
+    return Where(rows, slots, positions, (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen), False)
+
+
+def attend(q, k_new, v_new, cache: KVCache, layer: int, at: Where):
     """Write k/v of this step into the static cache, then attend.
 
-    q [b, H, T, d]; k_new/v_new [b, Hkv, T, d]; rows [b, T] cache rows; positions [b, T].
-    Prefill attends over its own fresh keys (causal, prompt starts at 0); every other step attends
-    over cache rows 0..b-1 with key_pos <= query_pos.
+    q [b, H, T, d]; k_new/v_new [b, Hkv, T, d]. Prefill attends over its own fresh keys (causal, the
+    prompt starts at 0); every other call attends over cache rows 0..b-1 where `at.visible`.
     """
-    cache.write(layer, rows, positions, k_new, v_new)
-    if prefill:
+    cache.write(layer, at.rows, at.slots, k_new, v_new)
+    if at.prefill:
         return F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, enable_gqa=True)
     keys, values = cache.read(layer, q.shape[0])
-    key_pos = torch.arange(cache.length, device=q.device)
-    mask = key_pos[None, None, None, :] <= positions[:, None, :, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=at.visible[:, None], enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -287,13 +313,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(in_features, n_kv * head_dim, bias=False)
         self.o_proj = Linear(n_heads * head_dim, hidden, bias=False)
 
-    def forward(self, x, cos, sin, cache, layer, rows, positions, prefill):
+    def forward(self, x, cos, sin, cache, layer, at: Where):
         b, T, _ = x.shape
         q = self.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attend(q, k, v, cache, layer, rows, positions, prefill)
+        o = attend(q, k, v, cache, layer, at)
         return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
 
 
@@ -318,8 +344,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
         self.post_attention_layernorm = RMSNorm(Hp, a.rms_norm_eps, L.hidden)
 
-    def forward(self, h, cos, sin, cache, layer, rows, positions, prefill):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, positions, prefill)
+    def forward(self, h, cos, sin, cache, layer, at: Where):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -348,15 +374,18 @@ class DecoderStack(nn.Module):
         w = self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
 
-    def forward(self, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor):
-        """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p])."""
+    def forward(self, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor,
+                slots=None, start=None, tree_mask=None):
+        """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p]); a tree's
+        slots / start / tree_mask as in `where`."""
         cache = KVCache.of(cache)
+        at = where(cache, rows, positions, prefill, slots, start, tree_mask)
         h = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, h.dtype)
         entering = {}
         for i, layer in enumerate(self.layers):
             entering[i] = h
-            h = layer(h, cos, sin, cache, i, rows, positions, prefill)
+            h = layer(h, cos, sin, cache, i, at)
         return h, torch.cat([entering[i] for i in self.aux_layer_ids], dim=-1)
 
 

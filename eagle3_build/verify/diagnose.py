@@ -77,7 +77,7 @@ def _first_step(draft, aux: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     rows = torch.zeros(1, T - 1, dtype=torch.int64)
     pos = torch.arange(T - 1)[None]
     out = draft(x, tokens[None, 1:], pos, kv, rows, prefill=True, rank=torch.zeros(1, dtype=torch.int64))
-    return draft.propose(out)[0]
+    return draft.propose(out)[0][0, :, 0]
 
 
 def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[int]]],
