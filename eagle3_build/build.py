@@ -60,6 +60,12 @@ def load_pair(pair: PairRecipe) -> LoadedPair:
     check_target(target)
     draft = load_draft(resolve(pair.draft, "draft"), target)
     check_pair(target, draft)
+    window = getattr(target.args, "sliding_window", None)
+    if window and any(layer == "sliding_attention" for layer in target.args.layer_types) and \
+            pair.speculation.num_speculative_tokens >= window:
+        # (a tree node's slot and position differ; the window is applied to slots: exact while depth < window)
+        raise UserError(f"speculation: depth {pair.speculation.num_speculative_tokens} must be below the target's "
+                        f"sliding_window {window}; lower num_speculative_tokens")
     return LoadedPair(pair, target, draft)
 
 
@@ -476,7 +482,7 @@ class SpmdModel:
 
 def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
     """What each model's ModelBuilder gets (shared by the build and `plan`; `backend` None: no SDK, no key)."""
-    from .backends.neuron import INDEX_DTYPE, KV_MOVE, ModelGraphs, weight_dtype
+    from .backends.neuron import INDEX_DTYPE, ModelGraphs, weight_dtype
 
     pair = bm.lp.pair
     dtype, tp = torch_dtype(pair.dtype), pair.parallel.tp_degree
@@ -503,7 +509,7 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
             "graphs": [[sp.role, sp.bucket, sp.shape.model_dump(), [[n, sh, str(x)] for n, sh, x in ins]]
                        for sp, ins in graphs],
             "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
-            "backend": {k: backend.key_fields(k) for k in [*dict.fromkeys(sp.role for sp, _ in graphs), KV_MOVE]}})
+            "backend": {k: backend.key_fields(k) for k in mg.keys()}})
         out[name] = SpmdModel(mg, key, inputs, names)
     return out
 

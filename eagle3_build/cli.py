@@ -417,8 +417,10 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         if m.backend == "neuron":  # one NxD model per model; NxD's per-rank checkpoints
             keys = sorted({g.role for g in m.graphs if g.model == name})
             model_file = next(g.file for g in m.graphs if g.model == name)
+            moves = "kv_move" + (", kv_compact" if any("kv_compact_pairs" in g.backend for g in m.graphs
+                                                       if g.model == name) else "")
             out_console.print(f"  nxd model {model_file.path} ({model_file.size / 1e6:.1f} MB): keys "
-                              f"{', '.join(keys)}, kv_move", highlight=False)
+                              f"{', '.join(keys)}, {moves}", highlight=False)
             for f in model.weight_files:
                 out_console.print(f"  {f.path}  {f.size / 1e6:.2f} MB", highlight=False)
 

@@ -198,7 +198,7 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
 def _builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:
     """Neuron: what each model's ModelBuilder gets — keys (roles + kv_move) with their buckets, the
     priority bucket, flags, the NEFFs — and the per-rank NxD checkpoint files it is served with."""
-    from .backends.neuron import KV_MOVE, PRIORITY_ROLE, compiler_args, shard_file
+    from .backends.neuron import compiler_args, priority_role, shard_file
     from .build import spmd_models
 
     out = []
@@ -208,9 +208,9 @@ def _builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:
         for key in sm.graphs.keys():
             specs = [sp for sp, _ in sm.graphs.graphs if sp.role == key]
             keys.append({"key": key, "buckets": [sp.bucket for sp in specs] or [1],
-                         "priority_bucket": 0 if key == PRIORITY_ROLE[name] else None,
-                         "compiler_args": cc_args.get(key) or compiler_args(bm.lp.pair.backend_options, KV_MOVE),
-                         "neffs": [f"graphs/{sp.name}.neff" for sp in specs] or [f"graphs/{name}_{KV_MOVE}.neff"]})
+                         "priority_bucket": 0 if key == priority_role(name, sm.graphs.keys()) else None,
+                         "compiler_args": cc_args.get(key) or compiler_args(bm.lp.pair.backend_options, key),
+                         "neffs": [f"graphs/{sp.name}.neff" for sp in specs] or [f"graphs/{name}_{key}.neff"]})
         status = "unknown" if not sm.key else ("hit" if cache.get(sm.key, check=False) else "miss")
         out.append({"model": name, "artifact": f"graphs/{name}.pt", "tp_degree": tp, "arity": sm.graphs.arity,
                     "cache": status, "key": sm.key or None, "keys": keys,

@@ -13,12 +13,25 @@ import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+import types
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eagle3_runtime.manifest import BACKENDS, MODEL_DTYPES, SpecShape, chain, min_max_model_len
+from eagle3_runtime.manifest import (
+    BACKENDS,
+    MAX_DEPTH,
+    MAX_NODES,
+    MODEL_DTYPES,
+    NO_SPECULATION,
+    SpecShape,
+    chain,
+    dynamic_tree,
+    max_tree_nodes,
+    min_max_model_len,
+    static_tree,
+)
 
 from .buckets import default_batch_buckets, default_prefill_buckets
 from .errors import UserError
@@ -181,8 +194,27 @@ class _RawSource(_Raw):
     allow_pickle: bool = False
 
 
+class _RawTree(_Raw):
+    """``speculation.tree``: a dynamic tree (topk + num_draft_tokens) or a static one (choices)."""
+
+    # the upper bounds (MAX_NODES, max_tree_nodes) are checked by _section_shape, which says why
+    topk: int | None = Field(None, ge=1)  # children per expanded node
+    num_draft_tokens: int | None = Field(None, ge=1)  # nodes verified per pass, the root included
+    # TensorRT-LLM eagle_choices: each path of child ranks names one node (rank < MAX_NODES keeps topk <= MAX_NODES)
+    choices: list[list[Annotated[int, Field(ge=0, le=MAX_NODES - 1)]]] | None = None
+
+
+class _RawSpecSection(_Raw):
+    """One ``speculation.per_batch_bucket`` entry: a whole shape (0 steps: no speculation there)."""
+
+    num_speculative_tokens: int | None = Field(None, ge=0)  # None: only with tree.choices; <= MAX_DEPTH
+    tree: _RawTree | None = None
+
+
 class _RawSpeculation(_Raw):
-    num_speculative_tokens: int = Field(ge=1)
+    num_speculative_tokens: int | None = Field(None, ge=1)  # None: only with tree.choices; <= MAX_DEPTH
+    tree: _RawTree | None = None
+    per_batch_bucket: dict[int, _RawSpecSection] | None = None
 
 
 class _RawServing(_Raw):
@@ -270,19 +302,35 @@ def _get(d: Any, *keys: str) -> Any:
     return d
 
 
+def _unoptional(ann: Any) -> Any:
+    """``X | None`` -> ``X`` (other annotations unchanged)."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return _unoptional(args[0])
+    return ann
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model class that validates the value at ``loc`` (None if not a model)."""
+    """The pydantic model class that validates the value at ``loc`` (None if not a model); a
+    ``dict[K, Model]`` or ``list[Model]`` field is followed through its keys / indices."""
     cur: Any = model
     for part in loc:
-        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
+        cur = _unoptional(cur)
+        if _is_model(cur):
+            if part not in cur.model_fields:
+                return None
+            cur = cur.model_fields[part].annotation
+        elif typing.get_origin(cur) in (dict, list) and typing.get_args(cur):
+            cur = typing.get_args(cur)[-1]
+        else:
             return None
-        ann = cur.model_fields[part].annotation
-        cur = None
-        for cand in (ann, *typing.get_args(ann)):
-            if isinstance(cand, type) and issubclass(cand, BaseModel):
-                cur = cand
-                break
-    return cur if isinstance(cur, type) and issubclass(cur, BaseModel) else None
+    cur = _unoptional(cur)
+    return cur if _is_model(cur) else None
 
 
 def _pydantic_message(err: dict, model: type[BaseModel]) -> str:
@@ -306,6 +354,9 @@ def _pydantic_message(err: dict, model: type[BaseModel]) -> str:
         return f"must be a string, got {_desc(inp)}"
     if typ == "list_type":
         return f"must be a list, got {_desc(inp)}"
+    if typ == "dict_type" and loc[-1:] == ("per_batch_bucket",):
+        return (f"must be a mapping of batch bucket sizes to sections with keys "
+                f"{', '.join(_RawSpecSection.model_fields)}, got {_desc(inp)}")
     if typ in ("dict_type", "model_type", "model_attributes_type"):
         sub = _model_at(model, loc)
         keys = f" with keys {', '.join(sub.model_fields)}" if sub else ""
@@ -314,6 +365,8 @@ def _pydantic_message(err: dict, model: type[BaseModel]) -> str:
         return f"must be one of {ctx.get('expected')}, got {_desc(inp)}"
     if typ == "greater_than_equal":
         return f"must be >= {ctx.get('ge')}, got {_desc(inp)}"
+    if typ == "less_than_equal":
+        return f"must be <= {ctx.get('le')}, got {_desc(inp)}"
     if typ == "greater_than":
         return f"must be > {ctx.get('gt')}, got {_desc(inp)}"
     return f"{err['msg']}, got {_desc(inp)}"
@@ -431,15 +484,19 @@ def _duplicate_keys(root: yaml.Node) -> list[tuple[tuple, int, int]]:
 
 
 def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
-    """Line of ``path``, or of its closest enclosing key that exists in the file."""
-    for n in range(len(path), -1, -1):
-        p = path[:n]
-        if p in lines:
-            return lines[p]
-        alt = tuple(str(x) if _is_int(x) else x for x in p)  # int-looking mapping keys
-        if alt in lines:
-            return lines[alt]
-    return None
+    """Line of ``path``, or of its closest enclosing key that exists in the file.
+
+    An int is a list index or an int mapping key (per_batch_bucket's ``1:``, in ``lines`` by its text)."""
+    found: tuple = ()
+    line = lines.get(())
+    for part in path:
+        cand = found + (part,)
+        if cand not in lines and _is_int(part):
+            cand = found + (str(part),)
+        if cand not in lines:
+            break
+        found, line = cand, lines[cand]
+    return line
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -561,9 +618,11 @@ def _resolve_source(value: Any, base_dir: Path, rel: tuple, add: Callable[..., N
 # ------------------------------------------------------------------------------------ checks
 
 
-def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
-    """Bucket list shape and their relation to serving limits (only on values of valid type)."""
-    k = _pos_int(_get(merged, "speculation", "num_speculative_tokens"))
+def _check_buckets(merged: dict, add: Callable[..., None], deepest: tuple[int, str] | None) -> None:
+    """Bucket list shape and their relation to serving limits (only on values of valid type).
+
+    ``deepest``: (depth, the key that gives it) of the deepest speculation shape in use (None: unknown)."""
+    k, k_name = deepest if deepest is not None else (None, "")
     mml = _pos_int(_get(merged, "serving", "max_model_len"))
     serving = merged.get("serving") if isinstance(merged.get("serving"), dict) else {}
     mns = _pos_int(serving.get("max_num_seqs", 1))
@@ -571,8 +630,9 @@ def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
     mnbt = _pos_int(mnbt_raw)
 
     if mml is not None and k is not None and mml < min_max_model_len(k):
-        add(("serving", "max_model_len"), f"must be greater than speculation.num_speculative_tokens + 1 "
-                                          f"({k + 1}), got {mml}")
+        why = "" if k_name == _TOP_DEPTH else ", the deepest speculation shape"
+        add(("serving", "max_model_len"), f"must be greater than {k_name} + 1 ({k + 1}{why}), got {mml}; "
+                                          f"raise it to at least {min_max_model_len(k)}")
     if mml is not None and mnbt is not None and mnbt > mml:
         add(("serving", "max_num_batched_tokens"), f"must be <= serving.max_model_len ({mml}), got {mnbt}")
 
@@ -605,7 +665,213 @@ def _check_buckets(merged: dict, add: Callable[..., None]) -> None:
     mal = _get(merged, "verify", "min_acceptance_length")
     if k is not None and isinstance(mal, (int, float)) and not isinstance(mal, bool) and mal > k + 1:
         add(("verify", "min_acceptance_length"),
-            f"can never be reached: acceptance length is at most K+1 = {k + 1}, got {mal}")
+            f"can never be reached: acceptance length is at most the deepest speculation depth + 1 = {k + 1} "
+            f"({k_name} + 1), got {mal}")
+
+
+# ---------------------------------------------------------------------------- speculation shapes
+
+_TOP_DEPTH = "speculation.num_speculative_tokens"
+_TREE_FORMS = "topk and num_draft_tokens (a dynamic tree) or choices (a static tree)"
+
+
+def _batch_buckets(merged: dict) -> tuple[list[int], str] | None:
+    """The pair's resolved batch buckets and where they come from (None while they are invalid)."""
+    buckets = merged.get("buckets")
+    lst = buckets.get("batch") if isinstance(buckets, dict) else None
+    if buckets is not None and not isinstance(buckets, dict):
+        return None
+    if lst is not None:
+        good = isinstance(lst, list) and lst and all(_is_int(b) and b >= 1 for b in lst)
+        return (lst, "buckets.batch") if good and all(a < b for a, b in zip(lst, lst[1:])) else None
+    serving = merged.get("serving")
+    mns = _pos_int(serving.get("max_num_seqs", 1)) if isinstance(serving, dict) else None
+    if mns is None:
+        return None
+    return default_batch_buckets(mns), f"the default for serving.max_num_seqs {mns}"
+
+
+def _choices_shape(choices: Any, rel: tuple, add: Callable[..., None]) -> SpecShape | None:
+    """The static tree of ``choices`` (TensorRT-LLM eagle_choices), each bad path reported at its item."""
+    if not isinstance(choices, list) or not all(
+            isinstance(c, list) and all(_is_int(r) and 0 <= r < MAX_NODES for r in c) for c in choices):
+        return None  # the schema reports it
+    if not choices:
+        add(rel, "must not be empty: give paths of child ranks such as [[0], [1], [0, 0]] (the root is implied)")
+        return None
+    ok = True
+    given = {tuple(c) for c in choices}
+    first: dict[tuple, int] = {}
+    too_deep = False
+    for i, c in enumerate(choices):
+        t = tuple(c)
+        if not t:
+            add(rel + (i,), "an empty path [] (the root is implied); remove it")
+            ok = False
+        elif t in first:
+            add(rel + (i,), f"{c} appears twice (first as choices[{first[t]}]); each path names one node, remove one")
+            ok = False
+        else:
+            first[t] = i
+            if len(t) > 1 and t[:-1] not in given:
+                add(rel + (i,), f"{c} has no parent {list(t[:-1])} (the paths must be prefix-closed); "
+                                f"add {list(t[:-1])} or remove {c}")
+                ok = False
+            if len(t) > MAX_DEPTH and not too_deep:
+                add(rel + (i,), f"{c} is {len(t)} deep; a tree has at most {MAX_DEPTH} draft steps (the runtime's "
+                                "MAX_DEPTH); shorten the paths")
+                ok, too_deep = False, True
+    if len(choices) + 1 > MAX_NODES:
+        add(rel, f"{len(choices)} paths, at most {MAX_NODES - 1}: a verify pass holds at most {MAX_NODES} nodes "
+                 "(the runtime's MAX_NODES), the root included; remove paths")
+        ok = False
+    if not ok:
+        return None
+    try:
+        return static_tree(choices)
+    except ValueError as exc:  # whatever static_tree refuses that the checks above did not
+        add(rel, str(exc))
+        return None
+
+
+def _section_shape(sec: Any, rel: tuple, add: Callable[..., None], *, top: bool) -> SpecShape | None:
+    """The shape of one speculation section (``speculation`` or a ``per_batch_bucket`` entry) from the merged
+    YAML values, reporting its cross-key problems; None where it is unknown (a problem was reported, here
+    or by the schema)."""
+    if not isinstance(sec, dict):
+        return None
+    drel, trel = rel + ("num_speculative_tokens",), rel + ("tree",)
+    d = sec.get("num_speculative_tokens")
+    d_given = d is not None
+    d_ok = _is_int(d) and d >= (1 if top else 0)  # else the schema reports it
+    if d_ok and d > MAX_DEPTH:
+        add(drel, f"must be <= {MAX_DEPTH} (the runtime drafts at most MAX_DEPTH = {MAX_DEPTH} steps), got {d}")
+        d_ok = False
+    tree = sec.get("tree")
+    if tree is not None and not isinstance(tree, dict):
+        return None
+    choices = tree.get("choices") if tree else None
+
+    if choices is not None:  # static tree
+        extra = [key for key in ("topk", "num_draft_tokens") if tree.get(key) is not None]
+        for key in extra:
+            add(trel + (key,), f"not allowed with choices: a static tree's topk and node count come from its "
+                               f"paths; drop {key}, or drop choices for a dynamic tree")
+        shape = _choices_shape(choices, trel + ("choices",), add)
+        if shape is None or extra or (d_given and not d_ok):
+            return None
+        if d_given and d != shape.depth:
+            add(drel, f"must equal the depth of tree.choices ({shape.depth}), got {d}; omit it (the choices give "
+                      f"the depth) or set it to {shape.depth}")
+            return None
+        return shape
+
+    if not d_given:
+        add(drel, "required key is missing: give the number of draft steps (the chain length, or the tree depth); "
+                  "only a static tree (tree.choices) may omit it")
+        return None
+    if tree is None:  # a chain
+        return chain(d) if d_ok else None
+
+    topk, n = tree.get("topk"), tree.get("num_draft_tokens")
+    if topk is None and n is None:
+        add(trel, f"must give {_TREE_FORMS}; omit tree for a chain of num_speculative_tokens")
+        return None
+    if topk is None:
+        add(trel + ("topk",), "required key is missing: a dynamic tree needs topk (children per expanded node) "
+                              "with num_draft_tokens")
+    if n is None:
+        add(trel + ("num_draft_tokens",), "required key is missing: a dynamic tree needs num_draft_tokens (nodes "
+                                          "verified per pass, the root included) with topk")
+    k_ok = _is_int(topk) and topk >= 1
+    if k_ok and topk > MAX_NODES:
+        add(trel + ("topk",), f"must be <= {MAX_NODES} (a verify pass holds at most MAX_NODES = {MAX_NODES} nodes), "
+                              f"got {topk}")
+        k_ok = False
+    n_ok = _is_int(n) and n >= 1
+    if n_ok and n > MAX_NODES:
+        add(trel + ("num_draft_tokens",), f"must be <= {MAX_NODES} (a verify pass holds at most MAX_NODES = "
+                                          f"{MAX_NODES} nodes, the root included), got {n}")
+        n_ok = False
+    if not (d_ok and k_ok and n_ok):
+        return None
+    if d == 0:
+        add(drel, "must be >= 1 with a tree (a tree drafts at least one step); for no speculation at this batch "
+                  "bucket drop tree")
+        return None
+    most = max_tree_nodes(d, topk)
+    bounds = f"[{d + 1}, {min(most, MAX_NODES)}]"
+    if n < d + 1:
+        add(trel + ("num_draft_tokens",), f"must be in {bounds}, got {n}: it counts the root too, so {d} draft "
+                                          f"steps verify at least num_speculative_tokens + 1 = {d + 1} nodes; "
+                                          f"raise num_draft_tokens or lower num_speculative_tokens")
+        return None
+    if n > most:
+        add(trel + ("num_draft_tokens",), f"must be in {bounds}, got {n}: {d} steps of topk {topk} children can "
+                                          f"grow at most {most} nodes (the root included); lower num_draft_tokens "
+                                          "or raise topk or num_speculative_tokens")
+        return None
+    return dynamic_tree(d, topk, n)
+
+
+def _given_depth(sec: Any, top: bool) -> int | None:
+    """A section's valid num_speculative_tokens: its depth even where the rest of its shape is wrong."""
+    d = sec.get("num_speculative_tokens") if isinstance(sec, dict) else None
+    return d if _is_int(d) and (1 if top else 0) <= d <= MAX_DEPTH else None
+
+
+def _depth_name(sec: dict, prefix: str) -> str:
+    return f"{prefix}.num_speculative_tokens" if sec.get("num_speculative_tokens") is not None else (
+        f"the depth of {prefix}.tree.choices")
+
+
+def _check_speculation(merged: dict, add: Callable[..., None]) -> tuple[int, str] | None:
+    """Every speculation section's problems and per_batch_bucket's keys; returns (depth, the key giving it) of
+    the deepest shape in use, None when no depth in use is known (a section whose tree is wrong still counts
+    with its num_speculative_tokens)."""
+    spec = merged.get("speculation")
+    if not isinstance(spec, dict):
+        return None
+    top = _section_shape(spec, ("speculation",), add, top=True)
+    per = spec.get("per_batch_bucket")
+    resolved = _batch_buckets(merged)
+    batch = resolved[0] if resolved else None
+    used: list[tuple[int, str]] = []
+    overridden: set[int] = set()
+    for b, sec in (per.items() if isinstance(per, dict) else ()):
+        if not _is_int(b):
+            continue  # the schema reports the key
+        rel = ("speculation", "per_batch_bucket", b)
+        known = batch is None or b in batch
+        if not known:
+            add(rel, f"unknown batch bucket {b}; this pair's batch buckets are {', '.join(map(str, batch))} "
+                     f"({resolved[1]}); override only those")
+        overridden.add(b)
+        shape = _section_shape(sec, rel, add, top=False)
+        depth = shape.depth if shape is not None else _given_depth(sec, top=False)
+        if depth is not None and known:
+            used.append((depth, _depth_name(sec, f"speculation.per_batch_bucket[{b}]")))
+    depth = top.depth if top is not None else _given_depth(spec, top=True)
+    if depth is not None and (batch is None or any(b not in overridden for b in batch)):
+        used.insert(0, (depth, _depth_name(spec, "speculation")))  # first: it names a tie
+    if used and batch is not None and len(used) == len(batch) and max(d for d, _ in used) == 0:
+        add(("speculation", "per_batch_bucket"), "no batch bucket speculates (every shape has num_speculative_tokens "
+                                                 "0); give at least one bucket a chain or a tree")
+    return max(used, key=lambda u: u[0]) if used else None
+
+
+def _raw_shape(sec: _RawSpeculation | _RawSpecSection) -> SpecShape:
+    """The shape of a validated section (the checks above passed)."""
+    tree = sec.tree
+    if tree is not None and tree.choices is not None:
+        shape = static_tree(tree.choices)
+    elif not sec.num_speculative_tokens:
+        shape = NO_SPECULATION
+    elif tree is None:
+        shape = chain(sec.num_speculative_tokens)
+    else:
+        shape = dynamic_tree(sec.num_speculative_tokens, tree.topk, tree.num_draft_tokens)
+    return SpecShape.model_validate(shape.model_dump())  # static_tree constructs without validating
 
 
 def unknown_option_message(name: str, key) -> str | None:
@@ -634,9 +900,10 @@ def _check_backend_options(merged: dict, add: Callable[..., None]) -> None:
 
 
 def _speculation(raw: _RawPair, batch: list[int]) -> Speculation:
-    """The speculation shape of every batch bucket."""
-    shape = chain(raw.speculation.num_speculative_tokens)
-    shapes = {b: shape for b in batch}
+    """The speculation shape of every batch bucket: its per_batch_bucket entry, else the top-level section."""
+    per = raw.speculation.per_batch_bucket or {}
+    top = _raw_shape(raw.speculation) if any(b not in per for b in batch) else None
+    shapes = {b: _raw_shape(per[b]) if b in per else top for b in batch}
     return Speculation(num_speculative_tokens=max(s.depth for s in shapes.values()), shapes=shapes)
 
 
@@ -788,7 +1055,10 @@ def _load(path: Path, file: str) -> Recipe:
         except ValidationError as exc:
             for err in exc.errors():
                 loc = tuple(err["loc"])
-                if loc and loc[-1] == "[key]":  # a non-string key inside a free-form mapping
+                if loc[-1:] == ("[key]",) and loc[:-2] == ("speculation", "per_batch_bucket"):
+                    add(loc[:-1], "must be a batch bucket size (an integer key such as 1:), "
+                                  f"got {_desc(err.get('input'))}")
+                elif loc and loc[-1] == "[key]":  # a non-string key inside a free-form mapping
                     add(loc[:-1], f"mapping keys must be strings, got {_desc(err.get('input'))}")
                 else:
                     add(loc, _pydantic_message(err, _RawPair))
@@ -808,7 +1078,7 @@ def _load(path: Path, file: str) -> Recipe:
         for role in ("target", "draft"):
             if role in merged:
                 sources[role] = _resolve_source(merged[role], base_dir, (role,), add)
-        _check_buckets(merged, add)
+        _check_buckets(merged, add, _check_speculation(merged, add))
         _check_backend_options(merged, add)
 
         if raw is not None and len(issues) == n_before and all(sources.get(r) for r in ("target", "draft")):

@@ -203,8 +203,9 @@ class Bundle:
     def compact_kv(self, row: int, src: list[int], dst: list[int]) -> None:
         """Move the target KV of an accepted tree path into place: slots `src` -> `dst` of one row
         (all slots read before any is written)."""
-        if getattr(self, "nxd", None):
-            raise BundleError("token trees are not yet served on the neuron backend (KV compaction)")
+        if getattr(self, "nxd", None):  # the target's kv_compact key, on the device (runtime/neuron.py)
+            self.nxd["target"].compact(row, src, dst)
+            return
         kv = self.state["target_kv"]
         kv[:, :, row, :, dst] = kv[:, :, row, :, src]
 

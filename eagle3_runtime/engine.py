@@ -143,6 +143,7 @@ class Sequence:
     stats: SpecStats
     draft_top: tuple[list[int], list[float]] | None = None  # the draft's top-k for the next root, log-probs
     draft_hidden: torch.Tensor | None = None
+    gap: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (aux, next token) the draft has not seen
     finish_reason: str | None = None
     text: str = ""
     text_sent: int = 0
@@ -201,6 +202,7 @@ class Engine:
         self.metrics = metrics or Metrics(self.K)
         hidden = next((o for g in m.graphs if g.role == "draft_catchup" for o in g.outputs if o.name == "hidden"), None)
         self.hidden, self.hidden_dtype = (hidden.shape[-1], torch_dtype(hidden.dtype)) if hidden else (0, None)
+        self.aux_width = m.graph("target_decode", self.batch_buckets[0]).outputs[-1].shape[-1]
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Sequence] = []
         self.target_passes = 0
@@ -331,6 +333,8 @@ class Engine:
         shape = self.shapes[bsz]
         spec = [shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
                 for s in self.active]
+        if any(ok and s.gap for s, ok in zip(self.active, spec)):
+            self._catch_up_gaps(bsz, shape)
         if any(spec):
             self._spec_round(bsz, shape, spec)
             return "speculative"
@@ -342,10 +346,36 @@ class Engine:
         pos = torch.zeros(bsz, dtype=torch.int64)
         for s in self.active:
             tokens[s.row], pos[s.row] = s.ids[-1], s.pos
-        logits = self._run("target_decode", bsz, tokens=tokens, pos=pos)["logits"]
+        out = self._run("target_decode", bsz, tokens=tokens, pos=pos)
         self.target_passes += 1
         for s in self.active:
-            self._emit(s, [next_token(logits[s.row], s.req.sampling, s.gen)])
+            tok = next_token(out["logits"][s.row], s.req.sampling, s.gen)
+            if s.draft_top is not None and can_speculate(s.pos + 1, 1, self.max_len):  # it may speculate again
+                s.gap.append((out["aux"][s.row], tok))
+            self._emit(s, [tok])
+
+    def _catch_up_gaps(self, bsz: int, shape: SpecShape) -> None:
+        """Rows that decoded without speculation (a bucket without it) feed the draft the positions it
+        missed, T at a time through draft_catchup, before they draft again. Other rows write only past
+        their pending position (the draft's uncommitted slots)."""
+        T = shape.depth + 1
+        while any(s.gap for s in self.active):
+            aux = torch.zeros(bsz, T, self.aux_width, dtype=self.hidden_dtype)
+            nxt = torch.zeros(bsz, T, dtype=torch.int64)
+            start = torch.zeros(bsz, dtype=torch.int64)
+            last = torch.zeros(bsz, dtype=torch.int64)
+            chunks = {}
+            for s in self.active:
+                chunk, s.gap = s.gap[:T], s.gap[T:]
+                start[s.row] = s.pos - len(s.gap) - len(chunk) if chunk else s.pos
+                for i, (a, t) in enumerate(chunk):
+                    aux[s.row, i], nxt[s.row, i] = a, t
+                last[s.row] = max(len(chunk) - 1, 0)
+                chunks[s.row] = bool(chunk)
+            d = self._run("draft_catchup", bsz, aux=aux, next_tokens=nxt, start=start, last=last)
+            for s in self.active:
+                if chunks[s.row]:
+                    s.draft_top, s.draft_hidden = (d["token"][s.row].tolist(), d["logprob"][s.row].tolist()), d["hidden"][s.row]
 
     def _draft_tree(self, bsz: int, shape: SpecShape, start: torch.Tensor,
                     drafting: dict[int, Drafting]) -> None:

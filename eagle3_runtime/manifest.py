@@ -178,7 +178,7 @@ def sorted_choices(choices) -> list[list[int]]:
 #
 # Tree inputs: node i of a row sits at KV slot start + i (verify) or at `slots` (draft step) and at RoPE
 # position `positions`; it sees every committed slot < start and the scratch slots start + j with
-# tree_mask[i, j] (its ancestors and itself).
+# tree_mask[i, j] != 0 (its ancestors and itself; an index dtype: Neuron takes no bool inputs).
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("target_prefill", "target", "prefill", _ports("tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
          _ports("logits[1,V]:float32", "aux[1,n,A]:model"), "tokens"),
     Role("target_verify", "target", "batch",
-         _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:bool"),
+         _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:index"),
          _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1),
     Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
          _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens"),
@@ -258,7 +258,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          _ports("token[n,k]:int64", "logprob[n,k]:float32", "hidden[n,Hd]:model"), "next_tokens", needs_depth=1),
     Role("draft_step", "draft", "batch",
          _ports("hidden[n,W,Hd]:model", "tokens[n,W]:index", "positions[n,W]:index", "slots[n,W]:index",
-                "start[n]:index", "tree_mask[n,W,M]:bool"),
+                "start[n]:index", "tree_mask[n,W,M]:index"),
          _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2),
 )}
 # derived views

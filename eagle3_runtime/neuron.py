@@ -5,13 +5,16 @@ and bucket, compiled SPMD) and NxD's per-rank checkpoints (weights/<model>/tp<r>
 safetensors). Loading is NxDI's: `torch.jit.load`, then `nxd_model.initialize(per-rank weight dicts,
 start_rank int32)`; the KV caches are device state (zeroed by initialize, shared by every key) and
 never cross to the host; a call `model(*inputs)` runs on every rank and returns rank 0's outputs
-(docs/neuron-sdk-facts.md §2). The row move of continuous batching is the model's `kv_move` key.
+(docs/neuron-sdk-facts.md §2). The row move of continuous batching is the model's `kv_move` key; a
+bundle that speculates with token trees also has the target's `kv_compact` key, which moves the
+accepted path's KV slots into place within one row (`NxDModel.compact`).
 Cores come from NEURON_RT_VISIBLE_CORES (the Neuron runtime reserves every visible core for one
 process, so torchrun with a process per rank cannot work and is refused).
 
 Before anything is loaded: the Neuron SDK must be importable and its versions must equal the ones the
 bundle was compiled with; the logical-core setting (lnc) must match; the instance must have at least
-tp_degree logical NeuronCores; each graph entry's NxD call fields must be sound (`nxd_call`).
+tp_degree logical NeuronCores; each graph entry's NxD call fields must be sound (`nxd_call`), and a
+tree bundle's target must have its kv_compact key.
 Each failure names the fix.
 """
 from __future__ import annotations
@@ -53,6 +56,40 @@ def kv_move_inputs(src: int, dst: int, arity: int) -> tuple[torch.Tensor, ...]:
     return padded([torch.tensor([src, dst], dtype=torch.int32)], arity)
 
 
+# The target's KV compaction after a tree verify (token trees only: a chain never moves KV). Inputs
+# (row_src_dst int32 [1 + 2 * pairs], placeholders...): the row, `pairs` source slots, `pairs` destination
+# slots; every source slot is read before any is written. Unused pairs repeat the last real pair (the
+# same value written to the same slot again: a true no-op whatever order the scatter writes in).
+# [1 + 2 * pairs] with pairs >= 2 is at least 5 long, so it never routes like kv_move's [2].
+KV_COMPACT = "kv_compact"
+COMPACT_FIELD = "kv_compact_pairs"  # on every target graph entry's `backend` of a tree bundle: `pairs`
+
+
+def is_tree(shapes) -> bool:
+    """Whether any of these speculation shapes is a token tree (a dynamic tree with topk > 1 or a static one)."""
+    return any(s.topk > 1 or s.choices for s in shapes)
+
+
+def compact_pairs(shapes) -> int | None:
+    """The kv_compact key's pair count for these speculation shapes (the deepest path with its bonus token,
+    T = depth + 1), or None where no shape is a tree."""
+    shapes = list(shapes)
+    return max(s.depth for s in shapes) + 1 if is_tree(shapes) else None
+
+
+def kv_compact_inputs(row: int, src: list[int], dst: list[int], pairs: int, arity: int) -> tuple[torch.Tensor, ...]:
+    """kv_compact's call: slots src -> dst of one row, padded to `pairs` pairs (and to the model's arity)."""
+    src, dst = [int(x) for x in src], [int(x) for x in dst]
+    if len(src) != len(dst) or len(src) > pairs:
+        raise ValueError(f"kv_compact: {len(src)} source and {len(dst)} destination slots; the key takes at most "
+                         f"{pairs} pairs")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"kv_compact: destination slots {dst} repeat a slot")
+    s, d = (src[-1], dst[-1]) if src else (0, 0)  # (0, 0): slot 0 of the row onto itself
+    pad = pairs - len(src)
+    return padded([torch.tensor([row, *src, *[s] * pad, *dst, *[d] * pad], dtype=torch.int32)], arity)
+
+
 # What each neuron graph entry's `backend` records about its NxD call (eagle3_build/backends/neuron.py)
 CALL_FIELDS = {"format": str, "key": str, "bucket_index": int, "arity": int, "n_out": int}
 MAX_ARITY = 64  # inputs / outputs of one call; no graph role comes near this
@@ -65,6 +102,7 @@ class NxDCall:
     arity: int
     n_out: int
     file: FileEntry  # the NxD model file (graphs/<model>.pt), shared by the model's graphs
+    compact_pairs: int | None = None  # the kv_compact key's pairs (a tree bundle's target), None: no such key
 
 
 def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
@@ -106,7 +144,34 @@ def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
         if problem:
             raise _bad_call(where, g.name, problem)
         routes[(g.role, b["bucket_index"])] = g.name
-    return NxDCall(g0.backend["arity"], g0.backend["n_out"], g0.file)
+    return NxDCall(g0.backend["arity"], g0.backend["n_out"], g0.file, _compact_call(m, name, graphs, where))
+
+
+def _compact_call(m: Manifest, name: str, graphs, where: str) -> int | None:
+    """The kv_compact pairs every graph entry of model `name` records (one value, or none at all); a tree
+    bundle's target must have them, deep enough for its deepest shape."""
+    need = compact_pairs(m.speculation.values()) if name == "target" else None
+    g0 = graphs[0]
+    value = g0.backend.get(COMPACT_FIELD)
+    for g in graphs:
+        v = g.backend.get(COMPACT_FIELD)
+        problem = None
+        if v is not None and (type(v) is not int or not 2 <= v <= MAX_ARITY):
+            problem = f"backend.{COMPACT_FIELD} is {v!r}, not an integer in 2..{MAX_ARITY}"
+        elif v != value:
+            problem = f"backend.{COMPACT_FIELD} {v!r} differs from graph {g0.name}'s {value!r} (one NxD model, one key)"
+        elif v is not None and need is None:
+            problem = (f"backend.{COMPACT_FIELD} is set, but only the target of a bundle that speculates with token "
+                       "trees has a kv_compact key")
+        if problem:
+            raise _bad_call(where, g.name, problem)
+    if need is not None and (value is None or value < need):
+        have = "no kv_compact key" if value is None else f"a kv_compact key for {value} slot pairs"
+        raise BundleError(f"{where}: this bundle speculates with token trees, which move the accepted path's KV "
+                          f"slots after each verify, and its target model has {have} (backend.{COMPACT_FIELD} of "
+                          f"its graphs; {need} needed); rebuild the bundle with `eagle3-build compile RECIPE "
+                          "--backend neuron`, which compiles the target's kv_compact key")
+    return value
 
 
 def _bad_call(where: str, graph: str, problem: str) -> BundleError:
@@ -200,7 +265,7 @@ class NxDModel:
         import torch_neuronx  # noqa: F401  (registers the torch.classes.neuron the saved model uses [inferred])
         from safetensors.torch import load_file
 
-        self.arity = call.arity
+        self.arity, self.compact_pairs, self.name = call.arity, call.compact_pairs, name
         path = file_of(call.file)
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() != call.file.sha256:
@@ -215,6 +280,13 @@ class NxDModel:
 
     def move_row(self, src: int, dst: int) -> None:
         self.module(*kv_move_inputs(src, dst, self.arity))
+
+    def compact(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Slots `src` -> `dst` of KV-cache row `row` (all read before any is written), on the device."""
+        if self.compact_pairs is None:
+            raise BundleError(f"the {self.name} model of this neuron bundle has no kv_compact key (token trees need "
+                              "it); rebuild the bundle with `eagle3-build compile RECIPE --backend neuron`")
+        self.module(*kv_compact_inputs(row, src, dst, self.compact_pairs, self.arity))
 
 
 def graph_fn(model: NxDModel, n_outputs: int):

@@ -133,9 +133,11 @@ class DriverGraph:
         self.entry = graph.entry
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # in the graph's dtypes: the workers receive into tensors of the manifest's specs
+        inputs = tuple(x.to(DTYPES[s.dtype]).contiguous() for s, x in zip(self.entry.inputs[1:], inputs))
         dist.broadcast(torch.tensor([self.index, 0, 0], dtype=torch.int64), src=0, group=self.ctx.ctrl)
         for x in inputs:
-            dist.broadcast(x.contiguous(), src=0, group=self.ctx.ctrl)
+            dist.broadcast(x, src=0, group=self.ctx.ctrl)
         return self.graph(*inputs)
 
 

@@ -70,7 +70,7 @@ class Drafting:
             made.append(len(self.tokens))
             self.tokens.append(int(t))
             self.parents.append(parent)
-            self.scores.append(self.scores[parent] + float(lp))
+            self.scores.append(self.scores[parent] + min(float(lp), 0.0))  # (never above the parent)
             self.depths.append(self.depths[parent] + 1)
             self.paths.append(path)
         return made

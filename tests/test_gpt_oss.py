@@ -276,8 +276,8 @@ def test_120b_recipe_graphs():
     (p,) = load_recipe(HERE.parent / "recipes" / "gpt-oss-120b-eagle3.yaml").pairs
     assert p.parallel.tp_degree == 16 and p.speculation.num_speculative_tokens == 1
     assert sorted(g.name for g in graph_plan(p)) == sorted(
-        ["target_prefill_s512", "draft_prefill_s512", "target_verify_b1", "target_decode_b1", "draft_catchup_b1",
-         "draft_step_b1"])
+        ["target_prefill_s512", "draft_prefill_s512", "target_verify_b1", "target_decode_b1", "draft_catchup_b1"])
+    # (K 1: no draft_step, the catch-up proposes the one draft token)
 
 
 # ------------------------------------------------------------------ refusals

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from eagle3_build.graphs import DraftCatchup, DraftPrefill, DraftStep, TargetPrefill, TargetVerify
 from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.llama import Llama, LlamaArgs
+from eagle3_runtime.manifest import chain
+
+CHAIN = chain(3)
 
 
 R0 = torch.tensor([0])  # rank 0 of TP 1
@@ -52,14 +55,16 @@ def test_target_prefill_and_verify_match_transformers(tmp_path):
     S, n = 48, 37  # bucket 48, 37 real tokens, cache row 1
     padded = torch.zeros(1, S, dtype=torch.long)
     padded[0, :n] = tokens[0, :n]
-    logits, aux = TargetPrefill(model)(kv, R0, padded, torch.tensor([1]), torch.tensor([n - 1]))
+    logits, aux = TargetPrefill(model, CHAIN)(kv, R0, padded, torch.tensor([1]), torch.tensor([n - 1]))
     torch.testing.assert_close(logits[0], ref.logits[0, n - 1], atol=1e-4, rtol=1e-4)
     ref_aux = torch.cat([ref.hidden_states[i][0, :n] for i in aux_ids], -1)
     torch.testing.assert_close(aux[0, :n], ref_aux, atol=1e-4, rtol=1e-4)
     # verify the remaining 4 tokens from cache row 0, batch bucket 2 (row 1 is a padded slot)
     kv[:, :, 0] = kv[:, :, 1]  # verify reads rows 0..b-1: move the sequence to row 0
     toks = torch.stack([tokens[0, n:n + 4], torch.zeros(4, dtype=torch.long)])
-    v_logits, v_aux = TargetVerify(model)(kv, R0, toks, torch.tensor([n, 0]))
+    start = torch.tensor([n, 0])
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().repeat(2, 1, 1)
+    v_logits, v_aux = TargetVerify(model, CHAIN)(kv, R0, toks, start[:, None] + torch.arange(4), start, causal)
     torch.testing.assert_close(v_logits[0], ref.logits[0, n:n + 4], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_aux[0], torch.cat([ref.hidden_states[i][0, n:n + 4] for i in aux_ids], -1),
                                atol=1e-4, rtol=1e-4)
@@ -135,19 +140,21 @@ def test_draft_graphs_match_spec(nbr, nbfc):
     aux = torch.randn(1, S, 3 * HT, generator=g)
     nxt = torch.randint(0, V, (1, S), generator=g)
     kv = torch.zeros(draft.kv_shape(1, 64))
-    tok, hid = DraftPrefill(draft)(kv, R0, aux, nxt, torch.tensor([0]), torch.tensor([n - 1]))
+    tok, _, hid = DraftPrefill(draft, CHAIN)(kv, R0, aux, nxt, torch.tensor([0]), torch.tensor([n - 1]))
     out, rtok, past = ref_draft(w, flags, ref_fc(w, flags, aux[0, :n]), nxt[0, :n], torch.arange(n))
     assert tok.item() == rtok[-1].item()
     torch.testing.assert_close(hid[0], out[-1], atol=1e-4, rtol=1e-4)
     # one recurrent step at position n
-    tok2, hid2 = DraftStep(draft)(kv, R0, hid, tok, torch.tensor([n]))
+    # (a chain's step 1 at position n writes slot n = start + 0 and sees it)
+    tok2, _, hid2 = DraftStep(draft, CHAIN)(kv, R0, hid[:, None], tok, torch.tensor([[n]]), torch.tensor([[n]]),
+                                            torch.tensor([n]), torch.tensor([[[True, False]]]))
     out2, rtok2, past2 = ref_draft(w, flags, out[-1:], rtok[-1:], torch.tensor([n]), past)
     assert tok2.item() == rtok2[-1].item()
-    torch.testing.assert_close(hid2[0], out2[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hid2[0, 0], out2[-1], atol=1e-4, rtol=1e-4)
     # catch-up over K+1 = 3 positions n..n+2 (2 valid), overwriting the recurrent step's cache entry
     aux_c = torch.randn(1, 3, 3 * HT, generator=g)
     nxt_c = torch.randint(0, V, (1, 3), generator=g)
-    tok3, hid3 = DraftCatchup(draft)(kv, R0, aux_c, nxt_c, torch.tensor([n]), torch.tensor([1]))
+    tok3, _, hid3 = DraftCatchup(draft, CHAIN)(kv, R0, aux_c, nxt_c, torch.tensor([n]), torch.tensor([1]))
     out3, rtok3, _ = ref_draft(w, flags, ref_fc(w, flags, aux_c[0, :2]), nxt_c[0, :2], torch.arange(n, n + 2), past)
     assert tok3.item() == rtok3[-1].item()
     torch.testing.assert_close(hid3[0], out3[-1], atol=1e-4, rtol=1e-4)

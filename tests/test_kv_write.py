@@ -16,8 +16,10 @@ from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.gpt_oss import GptOss, GptOssArgs
 from eagle3_build.models.llama import Llama, LlamaArgs
 from eagle3_build.models.weights import weight_tensors
+from eagle3_runtime.manifest import dynamic_tree
 
-K, B, S = 2, 2, 64
+B, S = 2, 64
+SHAPE = dynamic_tree(3, 2, 6)  # a tree: every tree input (masks, slots, positions) is exercised
 LLAMA = LlamaArgs(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   rope={"rope_type": "default", "rope_theta": 10000.0})
@@ -40,7 +42,7 @@ def _example(model, spec: GraphSpec):
     local = weight_tensors(model)
     weights = tuple(torch.empty(local[n].shape, dtype=local[n].dtype) for n in names)
     kv = torch.zeros(model.kv_shape(B, S))
-    ins = step_inputs(spec, K=K, target_hidden=32, draft_hidden=32, dtype=torch.float32)
+    ins = step_inputs(spec, target_hidden=32, draft_hidden=32, dtype=torch.float32)
     example = tuple(torch.zeros(shape, dtype=dt) for _, shape, dt in ins)
     return module, (weights, kv, *example)
 
@@ -58,7 +60,7 @@ CASES += [("draft", r) for r in ("draft_prefill", "draft_catchup", "draft_step")
 @pytest.mark.parametrize("model_name,role", CASES)
 def test_kv_cache_written_by_index_put_on_the_cache_itself(model_name, role):
     model = _models()[model_name]
-    ep = _export(model, GraphSpec(role, 16 if role.endswith("prefill") else B))
+    ep = _export(model, GraphSpec(role, 16 if role.endswith("prefill") else B, SHAPE))
     ops = Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
     scatters = {op: c for op, c in ops.items() if "_scatter" in op}  # select/slice/as_strided_scatter
     assert not scatters, f"KV written through a view (full-cache copy per layer): {scatters}"
@@ -91,8 +93,8 @@ def test_role_modules_follow_the_contract_table(model_name, role):
     assert set(ROLE_MODULES) == set(ROLES)
     params = list(inspect.signature(ROLE_MODULES[role].forward).parameters)[3:]  # after self, cache, rank
     assert params == [p.name for p in contract.inputs]
-    spec = GraphSpec(role, 16 if role.endswith("prefill") else B)
+    spec = GraphSpec(role, 16 if role.endswith("prefill") else B, SHAPE)
     module, args = _example(_models()[model_name], spec)
     outs = [[shape, dtype_name(dt)] for shape, dt in output_specs(module, args)]
-    want = contract.output_specs(spec.bucket, K=K, target_hidden=32, draft_hidden=32, vocab=128, dtype="float32")
+    want = contract.output_specs(spec.bucket, SHAPE, target_hidden=32, draft_hidden=32, vocab=128, dtype="float32")
     assert outs == [[shape, dt] for _, shape, dt in want]

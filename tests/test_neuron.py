@@ -43,7 +43,7 @@ def test_missing_sdk_fails_fast_without_loading_anything(tmp_path):
 
 @pytest.mark.parametrize("recipe,graphs,tp", [
     ("llama31-8b-eagle3.yaml", 5 * 2 + 2 * 4, 8),
-    ("gpt-oss-120b-eagle3.yaml", 1 * 2 + 1 * 4, 16),
+    ("gpt-oss-120b-eagle3.yaml", 1 * 2 + 1 * 3, 16),  # K 1: no draft_step
 ])
 def test_plan_neuron_seed_recipes(recipe, graphs, tp):
     r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / recipe), "--backend", "neuron", "--json")
@@ -66,7 +66,7 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
     assert plan_buckets == ((5, 2) if tp == 8 else (1, 1))
     assert {k["key"]: len(k["buckets"]) for k in target["keys"]} == {
         "target_prefill": prefill, "target_verify": batch, "target_decode": batch, "kv_move": 1}
-    assert [k["key"] for k in draft["keys"] if k["priority_bucket"] == 0] == ["draft_step"]
+    assert [k["key"] for k in draft["keys"] if k["priority_bucket"] == 0] == ["draft_step" if tp == 8 else "draft_catchup"]
     for b in (target, draft):
         for k in b["keys"]:
             assert k["compiler_args"] == ROLE_DEFAULTS.get(k["key"], TOKEN)

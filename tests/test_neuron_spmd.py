@@ -33,10 +33,12 @@ def neuron_pair(tmp_path, tp, arch="llama", options=None):
     from eagle3_build.testing.tiny import make_tiny_pair
 
     pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp, arch=arch)).pairs[0]
+    shape = pair.speculation.shapes[1]
     return pair.model_copy(update={
         "backend": "neuron", "backend_options": options or {},
         "serving": pair.serving.model_copy(update={"max_num_seqs": 2}),
-        "buckets": pair.buckets.model_copy(update={"batch": [1, 2]})})
+        "buckets": pair.buckets.model_copy(update={"batch": [1, 2]}),
+        "speculation": pair.speculation.model_copy(update={"shapes": {1: shape, 2: shape}})})
 
 
 def serve_batch(bundle, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> tuple[list[list[int]], int]:
@@ -68,14 +70,15 @@ def test_spmd_bundle_decodes_like_transformers(standin_sdk, tmp_path, tp, arch):
 
     # one ModelBuilder per model, keys = its roles + kv_move, one example tuple per bucket, int32 indices
     builders = StandInModelBuilder.instances
+    K = pair.speculation.num_speculative_tokens
     assert [sorted(b.model_collection) for b in builders] == [
         ["kv_move", "target_decode", "target_prefill", "target_verify"],
-        ["draft_catchup", "draft_prefill", "draft_step", "kv_move"]]
+        ["draft_catchup", "draft_prefill", *(["draft_step"] if K > 1 else []), "kv_move"]]
     for b in builders:
         assert b.tp_degree == tp and b.logical_nc_config == 2
         for key, c in b.model_collection.items():
             assert isinstance(c["compiler_args"], str) and "--lnc 2" in c["compiler_args"]
-            assert (c["priority"] == 0) == (key in ("target_verify", "draft_step"))
+            assert (c["priority"] == 0) == (key in ("target_verify", "draft_step" if K > 1 else "draft_catchup"))
             for ex in c["examples"]:
                 assert all(x.dtype in (torch.int32, torch.float32) for x in ex)
     assert len(builders[0].model_collection["target_prefill"]["examples"]) == len(pair.buckets.prefill)
@@ -133,7 +136,7 @@ def old_design_graph(tmp_path, tp):
     pair = neuron_pair(tmp_path, tp).model_copy(update={"backend": "export"})
     bm = build_models(load_pair(pair))
     with tracing_process_group(tp):
-        (tg,) = list(trace_graphs(bm, ExportBackend(), CompileCache(tmp_path / "cache"), [GraphSpec("target_decode", 1)]))
+        (tg,) = list(trace_graphs(bm, ExportBackend(), CompileCache(tmp_path / "cache"), [GraphSpec("target_decode", 1, pair.speculation.shapes[1])]))
     return tg.job.ep
 
 
@@ -289,3 +292,115 @@ def test_a_failed_model_build_is_one_compile_failure(standin_sdk, tmp_path, monk
     assert f.job.name == "target (ModelBuilder)" and "internal compiler error" in f.error and f.log.is_file()
     assert not (tmp_path / "bundle").exists()
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.name.endswith(".pt")]
+
+
+# ------------------------------------------------------------------ token trees: the target's kv_compact key
+
+def tree_pair(tmp_path, tp=1):
+    """The tiny llama pair with a dynamic tree (depth 3, topk 2, 7 nodes) in every batch bucket."""
+    from eagle3_build.recipe import Speculation
+    from eagle3_runtime.manifest import dynamic_tree
+
+    pair = neuron_pair(tmp_path, tp)
+    return pair.model_copy(update={"speculation": Speculation(
+        num_speculative_tokens=3, shapes={b: dynamic_tree(3, 2, 7) for b in pair.buckets.batch})})
+
+
+def spmd_graphs(pair):
+    from eagle3_build.build import build_models, load_pair, spmd_models
+
+    return {name: sm.graphs for name, sm in spmd_models(build_models(load_pair(pair))).items()}
+
+
+def test_kv_compact_is_a_target_key_of_tree_bundles_only(tmp_path):
+    """(b) a tree bundle's target builder has kv_compact (int32 [1 + 2T], T = depth + 1, routed apart from
+    kv_move); the draft never has it; (c) a chain bundle has none; role_compiler_args takes it."""
+    from eagle3_build.backends.neuron import compiler_args
+    from eagle3_runtime.neuron import kv_compact_inputs, routing_signature
+
+    tree = spmd_graphs(tree_pair(tmp_path / "tree"))
+    assert "kv_compact" in tree["target"].keys() and "kv_compact" not in tree["draft"].keys()
+    assert tree["target"].compact_pairs == 4 and tree["draft"].compact_pairs is None
+    (ex,) = tree["target"].examples("kv_compact")
+    assert len(ex) == tree["target"].arity and ex[0].dtype == torch.int32 and list(ex[0].shape) == [9]
+    assert all(x.numel() == 0 for x in ex[1:])
+    (move,) = tree["target"].examples("kv_move")
+    assert routing_signature(ex) != routing_signature(move)
+    tree["target"].check_routing()
+    chain = spmd_graphs(neuron_pair(tmp_path / "chain", 1))
+    assert all("kv_compact" not in mg.keys() and mg.compact_pairs is None for mg in chain.values())
+    # unused pairs repeat the last real one (a true no-op); at most T pairs
+    (x, *_), = [kv_compact_inputs(1, [5, 6], [2, 3], 4, 4)]
+    assert x.tolist() == [1, 5, 6, 6, 6, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="at most 4 pairs"):
+        kv_compact_inputs(0, [1] * 5, [2] * 5, 4, 4)
+    flags = compiler_args({"role_compiler_args": {"kv_compact": "-O3"}}, "kv_compact", environ={})
+    assert "-O3" in flags and "-O2" not in flags
+
+
+def test_kv_compact_moves_slots_functionally(standin_sdk, tmp_path):
+    """The key's module: row r's slots src -> dst with every source read first; the other rows untouched."""
+    from eagle3_build.backends.neuron import KV_COMPACT, DeviceModel, NeuronKey
+    from eagle3_runtime.neuron import kv_compact_inputs
+
+    mg = spmd_graphs(tree_pair(tmp_path))["target"]
+    shared = DeviceModel(mg)
+    with torch.no_grad():
+        shared.kv.copy_(torch.randn(shared.kv.shape))
+    before = shared.kv.detach().clone()
+    key = NeuronKey(KV_COMPACT, shared, 1, mg.n_out)
+    *fill, new = key.run(kv_compact_inputs(1, [12, 13], [11, 12], mg.compact_pairs, mg.arity))  # a chained move
+    assert len(fill) == mg.n_out and torch.equal(shared.kv, before)  # functional: the state is not mutated
+    want = before.clone()
+    want[:, :, 1, :, [11, 12]] = before[:, :, 1, :, [12, 13]]
+    assert torch.equal(new, want)
+
+
+def test_tree_bundle_decodes_like_transformers(standin_sdk, tmp_path):
+    """(a) a dynamic-tree neuron bundle decodes 3 prompts with continuous batching exactly as transformers'
+    greedy, compacting the target KV on the device; (d) with the target's kv_compact key gone from its
+    manifest it is refused at load, in one BundleError naming the fix."""
+    import json
+
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_runtime.bundle import Bundle, BundleError
+    from eagle3_runtime.manifest import Manifest
+
+    out = tmp_path / "bundle"
+    m = build_bundle(tree_pair(tmp_path), out, cache=CompileCache(tmp_path / "cache"))
+    target, draft = StandInModelBuilder.instances
+    assert "kv_compact" in target.model_collection and "kv_compact" not in draft.model_collection
+    assert "--lnc 2" in target.model_collection["kv_compact"]["compiler_args"]
+    assert {g.backend.get("kv_compact_pairs") for g in m.graphs if g.model == "target"} == {4}
+    assert not any("kv_compact_pairs" in g.backend for g in m.graphs if g.model == "draft")
+    assert "graphs/target_kv_compact.neff" in {f.path for f in m.files}
+    assert all(i.dtype == "int32" for g in m.graphs for i in g.inputs[1:] if i.name not in ("aux", "hidden"))
+
+    bundle = Bundle(out)
+    compactions = []
+    real = bundle.nxd["target"].compact
+    bundle.nxd["target"].compact = lambda row, src, dst: (compactions.append((row, src, dst)), real(row, src, dst))
+    outs, moves = serve_batch(bundle)
+    assert moves > 0 and compactions  # rows moved, and accepted tree paths moved their KV slots
+    for ids, n, got in zip(PROMPTS, MAX_TOKENS, outs):
+        assert got == hf_greedy(tmp_path / "pair" / "target", ids, n)
+
+    path = out / "manifest.json"
+    raw = json.loads(path.read_text())
+    for g in raw["graphs"]:
+        g["backend"].pop("kv_compact_pairs", None)
+    raw["digest"] = Manifest.model_validate(raw).compute_digest()
+    path.write_text(json.dumps(raw))
+    with pytest.raises(BundleError) as e:
+        Bundle(out)
+    msg = str(e.value)
+    assert "token trees" in msg and "no kv_compact key" in msg and "rebuild the bundle" in msg, msg
+    from typer.testing import CliRunner
+
+    from eagle3_build.cli import app
+
+    r = CliRunner().invoke(app, ["check", str(out)])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2 and "FAIL nxd calls" in flat and "no kv_compact key" in flat, r.output
+    assert "Traceback" not in r.output

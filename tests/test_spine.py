@@ -104,7 +104,9 @@ def test_manifest_contents(tiny_bundles):
     assert roles == {(r, s) for r in ("target_prefill", "draft_prefill") for s in (64, 128)} | {
         (r, 1) for r in ("target_verify", "target_decode", "draft_catchup", "draft_step")}
     verify = m.graph("target_verify", 1)
-    assert [(i.name, i.shape) for i in verify.inputs] == [("rank", [1]), ("tokens", [1, 4]), ("start", [1])]
+    assert [(i.name, i.shape) for i in verify.inputs] == [("rank", [1]), ("tokens", [1, 4]), ("positions", [1, 4]),
+                                                          ("start", [1]), ("tree_mask", [1, 4, 4])]
+    assert {b: s.describe() for b, s in m.speculation.items()} == {1: "chain K 3"}
     assert verify.outputs[0].shape == [1, 4, 512] and verify.outputs[1].shape == [1, 4, 3 * 64]
     assert set(m.toolchain) >= {"python", "torch", "transformers", "eagle3_build", "backend"}
     assert m.sources["target"]["kind"] == "local"

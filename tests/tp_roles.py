@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3_runtime.bundle import Bundle
+from eagle3_runtime.bundle import Bundle, call_by_name
+
+
+def chain_inputs(start: torch.Tensor, T: int) -> dict[str, torch.Tensor]:
+    """target_verify's tree inputs for a chain of T tokens from `start`."""
+    return {"positions": start[:, None] + torch.arange(T), "start": start,
+            "tree_mask": torch.ones(T, T, dtype=torch.bool).tril().repeat(start.shape[0], 1, 1)}
 
 
 def unpad_aux(aux: torch.Tensor, hu: int, hp: int) -> torch.Tensor:
@@ -37,18 +43,26 @@ def run_roles(bundle: Bundle) -> dict[str, torch.Tensor]:
         logits, aux = bundle.graph("target_prefill", S)(tokens, slot, last)
         out["target_prefill.logits"], out["target_prefill.aux"] = logits, unpad_aux(aux, hu, hp)
         nxt = torch.randint(0, V, (1, S), generator=g)
-        tok, hid = bundle.graph("draft_prefill", S)(aux, nxt, slot, last)
+        tok, _, hid = bundle.graph("draft_prefill", S)(aux, nxt, slot, last)
         out["draft_prefill.token"], out["draft_prefill.hidden"] = tok, hid[..., :hu]
         vt = torch.randint(0, V, (b, K + 1), generator=g)
         start = torch.full((b,), n)
-        logits, aux = bundle.graph("target_verify", b)(vt, start)
-        out["target_verify.logits"], out["target_verify.aux"] = logits, unpad_aux(aux, hu, hp)
+        v = call_by_name(bundle.graph("target_verify", b), {"tokens": vt, **chain_inputs(start, K + 1)})
+        out["target_verify.logits"], out["target_verify.aux"] = v["logits"], unpad_aux(v["aux"], hu, hp)
         nt = torch.randint(0, V, (b, K + 1), generator=g)
-        tok, hid = bundle.graph("draft_catchup", b)(aux, nt, start, torch.full((b,), K))
+        tok, _, hid = bundle.graph("draft_catchup", b)(v["aux"], nt, start, torch.full((b,), K))
         out["draft_catchup.token"], out["draft_catchup.hidden"] = tok, hid[..., :hu]
-        tok, hid = bundle.graph("draft_step", b)(hid, tok, start + K + 1)
-        out["draft_step.token"], out["draft_step.hidden"] = tok, hid[..., :hu]
-        (logits,) = bundle.graph("target_decode", b)(tok, start + K + 1)
+        tok = tok[:, 0]
+        if K > 1:  # a chain's first draft step, at the position after the catch-up
+            p = (start + K + 1)[:, None]
+            mask = torch.zeros(b, 1, K - 1, dtype=torch.bool)
+            mask[..., 0] = True
+            d = call_by_name(bundle.graph("draft_step", b), {"hidden": hid[:, None], "tokens": tok[:, None],
+                                                             "positions": p, "slots": p, "start": p[:, 0],
+                                                             "tree_mask": mask})
+            tok, hid = d["token"][:, 0, 0], d["hidden"][:, 0]
+            out["draft_step.token"], out["draft_step.hidden"] = tok, hid[..., :hu]
+        logits, _ = bundle.graph("target_decode", b)(tok, start + K + 1)
         out["target_decode.logits"] = logits
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -69,10 +83,10 @@ def run_sequence(bundle: Bundle, tokens: list[int]) -> dict[str, torch.Tensor]:
         out = {"seq.prefill.logits": logits[0], "seq.prefill.aux": unpad_aux(aux, hu, hp)[0, :n]}
         vt = torch.zeros(b, K + 1, dtype=torch.int64)
         vt[0] = torch.tensor(tokens[n:n + K + 1])
-        logits, aux = bundle.graph("target_verify", b)(vt, torch.full((b,), n))
-        out["seq.verify.logits"], out["seq.verify.aux"] = logits[0], unpad_aux(aux, hu, hp)[0]
+        v = call_by_name(bundle.graph("target_verify", b), {"tokens": vt, **chain_inputs(torch.full((b,), n), K + 1)})
+        out["seq.verify.logits"], out["seq.verify.aux"] = v["logits"][0], unpad_aux(v["aux"], hu, hp)[0]
         dt = torch.full((b,), tokens[n + K + 1])
-        (logits,) = bundle.graph("target_decode", b)(dt, torch.full((b,), n + K + 1))
+        logits, _ = bundle.graph("target_decode", b)(dt, torch.full((b,), n + K + 1))
         out["seq.decode.logits"] = logits[0]
     return out
 

@@ -1,8 +1,9 @@
 """Backend `neuron`: SPMD NEFFs through NxD's ModelBuilder, the API NxDI builds with.
 
 One `neuronx_distributed.trace.model_builder.ModelBuilder` per model (target, draft):
-  * keys = the model's graph roles plus `kv_move` (the KV-row move of continuous batching), one
-    example tuple per bucket. NxD routes a call to its key and bucket by the list of input shapes
+  * keys = the model's graph roles plus `kv_move` (the KV-row move of continuous batching) and, on
+    the target of a bundle that speculates with token trees, `kv_compact` (the accepted path's KV
+    slots moved into place after a verify; chains never move KV), one example tuple per bucket. NxD routes a call to its key and bucket by the list of input shapes
     alone, so every key takes the model's `arity` inputs (zero-size int32 placeholders pad the
     shorter roles, as NxDI passes torch.empty(0)) and returns its `n_out` outputs, because NxD packs
     every key's outputs with key #1's packer [confirmed: model_builder.py build_nxd_model; the fixed
@@ -46,7 +47,8 @@ from torch import nn
 
 from eagle3_runtime import manifest
 from eagle3_runtime.manifest import PREFILL_ROLES, ROLES
-from eagle3_runtime.neuron import KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, kv_move_inputs, routing_signature
+from eagle3_runtime.neuron import (COMPACT_FIELD, KV_COMPACT, KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, compact_pairs,
+                                   kv_compact_inputs, kv_move_inputs, routing_signature)
 
 from ..errors import UserError
 from ..graphs import ROLE_MODULES, GraphSpec
@@ -73,7 +75,7 @@ ROLE_ARGS = {
 
 
 def role_kind(role: str) -> str:
-    return "context" if role in PREFILL_ROLES else "token"  # (kv_move: token)
+    return "context" if role in PREFILL_ROLES else "token"  # (kv_move, kv_compact: token)
 
 
 # ------------------------------------------------------------------ flags
@@ -105,10 +107,10 @@ def compiler_args(backend_options: dict, role: str, environ: dict | None = None)
     name, any -O level the other. NEURON_CC_FLAGS is never applied silently."""
     environ = os.environ if environ is None else environ
     per_role = backend_options.get("role_compiler_args") or {}
-    unknown = sorted(set(per_role) - set(ROLES) - {KV_MOVE})
+    unknown = sorted(set(per_role) - set(ROLES) - {KV_MOVE, KV_COMPACT})
     if unknown:
         raise UserError(f"backend_options.role_compiler_args: unknown role(s) {', '.join(unknown)}; the roles are "
-                        f"{', '.join([*ROLES, KV_MOVE])}")
+                        f"{', '.join([*ROLES, KV_MOVE, KV_COMPACT])}")
     env_flags = shlex.split(environ.get("NEURON_CC_FLAGS", ""))
     if env_flags and not backend_options.get("fold_env_flags", False):
         raise UserError(f"NEURON_CC_FLAGS is set ({' '.join(env_flags)!r}) and would change the compiled graphs "
@@ -164,7 +166,12 @@ def sdk_versions() -> dict[str, str]:
 WEIGHT_PREFIX = "model."  # a weight's name in the traced module and in the NxD checkpoint: model.<canonical>
 RANK_WEIGHT = "rank_util.rank"  # int32 [1], holds r on rank r (NxDI: state_dict["rank_util.rank"] = arange(tp))
 STATE_NAME = "kv"
-PRIORITY_ROLE = {"target": "target_verify", "draft": "draft_step"}  # weight-layout optimisation follows the hot graph
+# weight-layout optimisation follows the hot graph (the draft's: its step, or the catch-up where depth 1 has none)
+PRIORITY_ROLES = {"target": ("target_verify", "target_decode"), "draft": ("draft_step", "draft_catchup")}
+
+
+def priority_role(model: str, keys: list[str]) -> str:
+    return next(r for r in PRIORITY_ROLES[model] if r in keys)
 
 
 def shard_file(rank: int) -> str:
@@ -200,13 +207,22 @@ class ModelGraphs:
     def arity(self) -> int:
         return max(len(inputs) for _, inputs in self.graphs)
 
+    @property
+    def compact_pairs(self) -> int | None:
+        """The target's kv_compact pairs where any batch bucket speculates with a token tree (T of the
+        deepest shape); None: no kv_compact key (the draft, or chains only)."""
+        return compact_pairs(spec.shape for spec, _ in self.graphs) if self.name == "target" else None
+
     def keys(self) -> list[str]:
-        return list(dict.fromkeys(spec.role for spec, _ in self.graphs)) + [KV_MOVE]
+        return (list(dict.fromkeys(spec.role for spec, _ in self.graphs)) + [KV_MOVE]
+                + ([KV_COMPACT] if self.compact_pairs else []))
 
     def examples(self, key: str) -> list[tuple[torch.Tensor, ...]]:
         """One example tuple per bucket of `key`, padded to the model's arity."""
         if key == KV_MOVE:
             return [kv_move_inputs(0, 0, self.arity)]
+        if key == KV_COMPACT:
+            return [kv_compact_inputs(0, [], [], self.compact_pairs, self.arity)]
         out = []
         for spec, inputs in self.graphs:
             if spec.role == key:
@@ -224,7 +240,7 @@ class ModelGraphs:
                 raise UserError(f"backend neuron: the {key} graphs of the {self.name} need one topk for every batch "
                                 f"bucket (one NxD key traces one module), got {sorted(topks)}; use the same "
                                 "speculation.tree.topk in every speculation.per_batch_bucket entry")
-            names = [s.name for s, _ in self.graphs if s.role == key] or [KV_MOVE]
+            names = [s.name for s, _ in self.graphs if s.role == key] or [key]
             for name, example in zip(names, self.examples(key)):
                 sig = routing_signature(example)
                 if sig in seen:
@@ -285,7 +301,8 @@ class NeuronKey(nn.Module):
         self.model, self.kv, self.rank_util = shared.model, shared.kv, shared.rank_util
         self.role, self.n_role_inputs, self.n_out = role, n_role_inputs, n_out
         # kept out of the module tree (a plain attribute): its parameters are the model's, named model.*
-        object.__setattr__(self, "_role_module", None if role == KV_MOVE else ROLE_MODULES[role](shared.model, shape))
+        object.__setattr__(self, "_role_module",
+                           None if role in (KV_MOVE, KV_COMPACT) else ROLE_MODULES[role](shared.model, shape))
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         cache = KVCache(self.kv, functional=True)
@@ -293,6 +310,12 @@ class NeuronKey(nn.Module):
             src_dst = inputs[0]
             cache.kv = torch.ops.aten.index_put(self.kv, [None, None, src_dst[1:]], self.kv[:, :, src_dst[:1]])
             outs: tuple = ()
+        elif self.role == KV_COMPACT:  # row r: slots src[i] -> dst[i], every source read before any write
+            pairs = (inputs[0].shape[0] - 1) // 2
+            row, src, dst = inputs[0][:1].expand(pairs), inputs[0][1:1 + pairs], inputs[0][1 + pairs:]
+            moved = torch.ops.aten.index.Tensor(self.kv, [None, None, row, None, src])  # [pairs, L, 2, Hkv, d]
+            cache.kv = torch.ops.aten.index_put(self.kv, [None, None, row, None, dst], moved)
+            outs = ()
         else:
             outs = tuple(self._role_module(cache, self.rank_util.rank, *inputs[:self.n_role_inputs]))
         fill = tuple(torch.zeros(1, dtype=torch.int32, device=self.kv.device) for _ in range(self.n_out - len(outs)))
@@ -337,7 +360,7 @@ class NeuronBackend(Backend):
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
-        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE]}
+        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE, KV_COMPACT]}
         first = next(iter(self.role_args.values()))
         self.target = flag_value(first, "--target") or "trn2"
         self.lnc = int(flag_value(first, "--lnc") or 2)
@@ -369,7 +392,7 @@ class NeuronBackend(Backend):
         workdir = out_dir / "nxd-workdir"  # new: ModelBuilder.trace() removes its workdir first
         builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
                                compiler_workdir=str(workdir), logical_nc_config=self.lnc)
-        n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1}
+        n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
         shapes = {spec.role: spec.shape for spec, _ in mg.graphs}
         for key in mg.keys():
             instance = BaseModelInstance(functools.partial(key_cls, key, shared, n_inputs[key], mg.n_out,
@@ -377,7 +400,7 @@ class NeuronBackend(Backend):
                                          input_output_aliases={shared.kv: mg.n_out})
             builder.add(key=key, model_instance=instance, example_inputs=mg.examples(key),
                         compiler_args=shlex.join(self.role_args[key]),
-                        priority_model_idx=0 if key == PRIORITY_ROLE[mg.name] else None)
+                        priority_model_idx=0 if key == priority_role(mg.name, mg.keys()) else None)
         env = {} if neuron_devices() else {"NEURON_PLATFORM_TARGET_OVERRIDE": self.target}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -393,7 +416,11 @@ class NeuronBackend(Backend):
             info[spec.name] = self._keep_neff(workdir, spec.role, i, out_dir / f"{spec.name}.neff") | {
                 "format": NXD_FORMAT, "model_file": f"{mg.name}{SUFFIX}", "key": spec.role, "bucket_index": i,
                 "arity": mg.arity, "n_out": mg.n_out, "compiler_args": list(self.role_args[spec.role])}
+            if mg.compact_pairs:  # the runtime pads kv_compact calls to these pairs (runtime/neuron.py)
+                info[spec.name][COMPACT_FIELD] = mg.compact_pairs
         info[KV_MOVE] = self._keep_neff(workdir, KV_MOVE, 0, out_dir / f"{mg.name}_{KV_MOVE}.neff")
+        if mg.compact_pairs:
+            info[KV_COMPACT] = self._keep_neff(workdir, KV_COMPACT, 0, out_dir / f"{mg.name}_{KV_COMPACT}.neff")
         shutil.rmtree(workdir, ignore_errors=True)
         return info
 

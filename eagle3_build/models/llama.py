@@ -284,7 +284,7 @@ def where(cache: KVCache, rows, positions, prefill: bool, slots=None, start=None
         return Where(rows, slots, positions, key[None, None, :] <= positions[:, :, None], False)
     b, T, M = tree_mask.shape
     rel = key[None, :] - start[:, None].to(key.dtype)  # [b, S]
-    seen = tree_mask.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(b, T, key.shape[0]))
+    seen = (tree_mask != 0).gather(2, rel.clamp(0, M - 1)[:, None, :].expand(b, T, key.shape[0]))
     in_tree = (rel >= 0) & (rel < M)
     return Where(rows, slots, positions, (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen), False)
 
