@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from eagle3_runtime.bundle import DTYPES, Bundle
 
-POSITION_INPUTS = ("pos", "start")
+POSITION_INPUTS = ("pos", "start", "positions", "slots")
 
 
 def graph_inputs(bundle: Bundle, role: str, bucket: int, position: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -43,6 +43,8 @@ def graph_inputs(bundle: Bundle, role: str, bucket: int, position: int, gen: tor
             out.append(torch.full(spec.shape, position, dtype=dtype))
         elif spec.name in ("slot", "last"):
             out.append(torch.zeros(spec.shape, dtype=dtype))
+        elif spec.name == "tree_mask":  # a chain's (lower-triangular over the last two dims)
+            out.append(torch.ones(spec.shape[-2:], dtype=dtype).tril().expand(spec.shape).contiguous())
         else:  # token ids
             out.append(torch.randint(0, m.vocab_size, spec.shape, generator=gen, dtype=dtype))
     return out

@@ -58,19 +58,25 @@ class SpecStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # per depth
+    per_shape: dict[str, list[int]] = field(default_factory=dict)  # shape -> [rounds, accepted tokens]
 
     def __post_init__(self):
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.k
 
-    def record(self, accepted: int, drafted: int | None = None) -> None:
-        """One speculative round: `accepted` draft tokens of `drafted` (default k: a chain) verified."""
+    def record(self, accepted: int, drafted: int | None = None, shape: str | None = None) -> None:
+        """One speculative round: `accepted` draft tokens of `drafted` (default k: a chain) verified, in
+        the speculation shape named `shape` (SpecShape.describe())."""
         self.num_drafts += 1
         self.num_draft_tokens += self.k if drafted is None else drafted
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        if shape is not None:
+            rounds = self.per_shape.setdefault(shape, [0, 0])
+            rounds[0] += 1
+            rounds[1] += accepted
 
     def add(self, other: "SpecStats") -> None:
         """Fold another generation's counters (same K) into these: totals over a prompt set."""
@@ -78,6 +84,10 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        for name, (n, a) in other.per_shape.items():
+            mine = self.per_shape.setdefault(name, [0, 0])
+            mine[0] += n
+            mine[1] += a
 
     @property
     def acceptance_rate(self) -> float:
@@ -96,13 +106,17 @@ class SpecStats:
                 "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
-                "per_position_acceptance_rate": self.per_position}
+                "per_position_acceptance_rate": self.per_position,
+                "per_shape": {name: {"num_drafts": n, "mean_acceptance_length": 1 + a / n}
+                              for name, (n, a) in self.per_shape.items()}}
 
     def format(self) -> str:
         pos = ", ".join(f"{r:.3f}" for r in self.per_position)
         return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
                 f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
-                f"Per-position acceptance rate: {pos}, Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%")
+                f"Per-position acceptance rate: {pos}, Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%"
+                + "".join(f"; {name}: {n} rounds, acceptance length {1 + a / n:.2f}"
+                          for name, (n, a) in self.per_shape.items()))
 
 
 @dataclass
@@ -152,6 +166,11 @@ class Sequence:
     @property
     def pos(self) -> int:
         return len(self.ids) - 1
+
+    def take_draft(self, out: dict[str, torch.Tensor], row: int) -> None:
+        """The draft's state after a prefill / catch-up graph: its top-k for the next root, and its hidden."""
+        self.draft_top = out["token"][row].tolist(), out["logprob"][row].tolist()
+        self.draft_hidden = out["hidden"][row]
 
     @property
     def generated(self) -> list[int]:
@@ -311,7 +330,7 @@ class Engine:
             nxt = torch.zeros(1, S, dtype=torch.int64)
             nxt[0, :n] = torch.tensor(seq.ids[1:n + 1])
             d = self._run("draft_prefill", S, aux=out["aux"], next_tokens=nxt, slot=slot, last=last)
-            seq.draft_top, seq.draft_hidden = (d["token"][0].tolist(), d["logprob"][0].tolist()), d["hidden"][0]
+            seq.take_draft(d, 0)
 
     def _run(self, role: str, bucket: int, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Call one compiled graph with its inputs by name (manifest.ROLES) -> its outputs by name,
@@ -375,7 +394,7 @@ class Engine:
             d = self._run("draft_catchup", bsz, aux=aux, next_tokens=nxt, start=start, last=last)
             for s in self.active:
                 if chunks[s.row]:
-                    s.draft_top, s.draft_hidden = (d["token"][s.row].tolist(), d["logprob"][s.row].tolist()), d["hidden"][s.row]
+                    s.take_draft(d, s.row)
 
     def _draft_tree(self, bsz: int, shape: SpecShape, start: torch.Tensor,
                     drafting: dict[int, Drafting]) -> None:
@@ -436,8 +455,8 @@ class Engine:
                 else:
                     path, new = verify_tree_sampled(logits[s.row], t, s.req.sampling, s.gen)
                 a = len(path) - 1
-                s.stats.record(a, N - 1)
-                self.metrics.record_draft(a, N - 1)
+                s.stats.record(a, N - 1, shape.describe())
+                self.metrics.record_draft(a, N - 1, shape.describe())
                 paths[s.row, :a + 1], nxt[s.row, :a + 1], last[s.row] = torch.tensor(path), torch.tensor(new), a
                 self._emit(s, new)
                 moved = [(p + j, p + m) for m, j in enumerate(path) if j != m]  # (none for a chain)
@@ -452,7 +471,7 @@ class Engine:
             d = self._run("draft_catchup", bsz, aux=aux, next_tokens=nxt, start=start, last=last)
             for s, ok in zip(rows, spec):
                 if ok:
-                    s.draft_top, s.draft_hidden = (d["token"][s.row].tolist(), d["logprob"][s.row].tolist()), d["hidden"][s.row]
+                    s.take_draft(d, s.row)
 
     # ------------------------------------------------------------------ output
 

@@ -23,6 +23,10 @@ class Metrics:
         self.num_accepted = Counter("eagle3_spec_decode_num_accepted_tokens", "Accepted draft tokens", registry=r)
         self.accepted_per_pos = Counter("eagle3_spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position", ["position"], registry=r)
+        self.shape_drafts = Counter("eagle3_spec_decode_shape_num_drafts", "Speculative rounds by speculation shape",
+                                    ["shape"], registry=r)
+        self.shape_accepted = Counter("eagle3_spec_decode_shape_num_accepted_tokens",
+                                      "Accepted draft tokens by speculation shape", ["shape"], registry=r)
         self.acceptance_rate = Gauge("eagle3_spec_decode_acceptance_rate",
                                      "Accepted / proposed draft tokens since start", registry=r)
         self.acceptance_length = Gauge("eagle3_spec_decode_mean_acceptance_length",
@@ -43,8 +47,12 @@ class Metrics:
             self.accepted_per_pos.labels(str(i))
             self.per_pos_rate.labels(str(i))
 
-    def record_draft(self, accepted: int, drafted: int | None = None) -> None:
-        """One speculative round: `accepted` of `drafted` draft tokens (default k: a chain)."""
+    def record_draft(self, accepted: int, drafted: int | None = None, shape: str | None = None) -> None:
+        """One speculative round: `accepted` of `drafted` draft tokens (default k: a chain), in the
+        speculation shape `shape` (SpecShape.describe(): per-shape counters besides vLLM's totals)."""
+        if shape is not None:
+            self.shape_drafts.labels(shape).inc()
+            self.shape_accepted.labels(shape).inc(accepted)
         self._drafts += 1
         self._accepted += accepted
         self._drafted += self.k if drafted is None else drafted

@@ -1,9 +1,11 @@
-"""Smoke test of benchmarks/spec_report.py on a tiny pair (export backend, K 1, a few tokens):
-the report's JSON has every section and the PNG is written."""
+"""Smoke tests of the benchmarks on tiny pairs: spec_report.py (export backend, a chain and a tree shape,
+a few tokens: the report's JSON has both shapes with their acceptance and round costs, the PNG is
+written, and --from-result re-renders it), graph_latency.py, linear_layout.py."""
 import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -16,29 +18,53 @@ def _spec_report():
     return mod
 
 
-@pytest.mark.slow  # ~40 s idle (tiny pair build + decode + transformers), minutes on a busy machine
+@pytest.mark.slow  # ~45 s idle (tiny pair + a tree shape's graphs + decode + transformers + one cold process)
 def test_spec_report_smoke(tiny_bundles, tmp_path):
     pytest.importorskip("matplotlib")
-    pair, _ = tiny_bundles.get("speculators", 1)  # warms the session's compile cache for these graphs
+    from eagle3_runtime.reader import read_manifest
+
+    pair, _ = tiny_bundles.get("speculators", 1)  # warms the session's compile cache for the chain's graphs
     out = tmp_path / "report"
-    rc = _spec_report().main([str(pair / "recipe.yaml"), "--backend", "export", "--k", "1", "--cold-k", "1",
-                              "--num-prompts", "2", "--max-tokens", "6", "--phases", "decode,transformers",
-                              "--hf-dtypes", "float32", "--out", str(out), "--save-result", str(out / "r.json"),
-                              "--plot", str(out / "r.png")])
+    report = _spec_report()
+    rc = report.main([str(pair / "recipe.yaml"), "--backend", "export", "--shapes", "chain:1,tree:2x2x4",
+                      "--num-prompts", "2", "--max-tokens", "6", "--phases", "decode,transformers,cold",
+                      "--cold-runs", "1", "--min-buckets",
+                      "--hf-dtypes", "float32", "--out", str(out), "--save-result", str(out / "r.json"),
+                      "--plot", str(out / "r.png")])
     assert rc == 0
     res = json.loads((out / "r.json").read_text())
-    d = res["decode"]["1"]
-    assert d["spec"]["decode_tok_s"] > 0 and d["plain"]["decode_tok_s"] > 0
-    assert d["spec"]["generated_tokens"] > 0 and d["K"] == 1
-    assert len(d["acceptance"]["per_position_acceptance_rate"]) == 1
-    # per-graph profile of the measured runs: every speculative round is one verify (K=1: no draft_step)
-    assert d["graphs"]["target_verify/1"]["calls"] == d["acceptance"]["num_drafts"]
-    assert d["graphs"]["target_decode/1"]["calls"] > 0 and "draft_step/1" not in d["graphs"]
+    assert res["shapes"] == ["chain-k1", "tree-2x2x4"] and [e["name"] for e in res["decode"]] == res["shapes"]
+    chain, tree = res["decode"]
+    assert chain["shape"]["kind"] == "chain" and chain["shape"]["describe"] == "chain K 1"
+    assert (tree["shape"]["kind"], tree["shape"]["depth"], tree["shape"]["topk"], tree["shape"]["num_nodes"]) == (
+        "dynamic", 2, 2, 4)
+    for e, depth, nodes in ((chain, 1, 2), (tree, 2, 4)):
+        a, r, g = e["acceptance"], e["round_ms"], e["graphs"]
+        assert e["spec"]["decode_tok_s"] > 0 and e["plain"]["decode_tok_s"] > 0 and e["spec"]["generated_tokens"] > 0
+        assert e["K"] == depth and e["nodes_per_verify"] == nodes and e["spec_equals_plain"] == "2/2"
+        assert len(a["per_position_acceptance_rate"]) == depth and 1 <= a["mean_acceptance_length"] <= depth + 1
+        assert a["num_drafts"] > 0 and a["drafted_nodes_per_round"] == nodes - 1
+        # the per-graph profile of the measured runs: every speculative round is one verify pass
+        assert g["target_verify/1"]["calls"] == a["num_drafts"] == r["rounds"] and g["target_decode/1"]["calls"] > 0
+        assert r["verify_ms"] > 0 and r["draft_ms_per_round"] > 0 and r["plain_decode_ms"] > 0
+    assert "draft_step/1" not in chain["graphs"] and chain["round_ms"]["draft_step_ms"] is None  # K 1: no draft step
+    assert tree["graphs"]["draft_step/1"]["calls"] == tree["acceptance"]["num_drafts"]  # depth - 1 steps a round
     assert res["machine"]["threads"] == 1
     assert res["transformers"]["float32"]["decode_tok_s"] > 0
-    assert res["summary"]["best_k"] == 1 and "runtime_vs_transformers" in res["summary"]
-    assert res["builds"]["k1"]["compiled"] == 0  # every graph came from the compile cache
+    s = res["summary"]
+    assert s["best_shape"] in res["shapes"] and "runtime_vs_transformers" in s and "best_vs_chain_k3" not in s
+    assert res["builds"]["chain-k1"]["compiled"] == 0  # every chain graph came from the compile cache
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    c = res["cold_start"]
+    assert c["shape"] == s["best_shape"] and c["prebuilt"]["median_s"] > 0  # on the best shape's full bundle
+    # --min-buckets: the first shape keeps every prefill bucket (here: the full bundle), the others one
+    assert chain["bundle"].endswith("chain-k1") and tree["bundle"].endswith("tree-2x2x4-min")
+    m = read_manifest(Path(tree["bundle"]))
+    assert m.batch_buckets == [1] and len(m.prefill_buckets) == 1
+    assert m.prefill_buckets[0] in res["bundle"]["prefill_buckets"]
+    # re-rendering the saved report measures nothing
+    assert report.main(["--from-result", str(out / "r.json"), "--note", "n", "--plot", str(out / "again.png")]) == 0
+    assert (out / "again.png").exists()
 
 
 def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -52,6 +78,7 @@ def _run_bench(script: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # (34 s: a benchmark, not a product component)
 def test_graph_latency_smoke(tiny_bundles, tmp_path):
     """Two bundles side by side (the same one twice): every batch-bucket graph timed for each."""
     _, bundle = tiny_bundles.get("speculators", 3)

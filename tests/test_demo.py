@@ -81,6 +81,7 @@ def test_training_form_equals_runtime_draft():
     previous output state, one position further each, attending to the draft KV cache."""
     from eagle3_build.graphs import DraftPrefill, DraftStep
     from eagle3_build.models.eagle3 import Eagle3Draft
+    from eagle3_runtime.manifest import chain
 
     tr = _training_module()
     t = _fake_target()
@@ -107,13 +108,17 @@ def test_training_form_equals_runtime_draft():
         for i in (5, 13, T - K - 2):  # a draft round starting at base position i
             kv = torch.zeros(rt.kv_shape(1, T + K))
             nxt = tokens[:, 1:i + 2]  # position p pairs aux_p with token p+1
-            _, hidden = DraftPrefill(rt)(kv, rank, aux[:, :i + 1], nxt, torch.zeros(1, dtype=torch.int64),
-                                         torch.tensor([i]))
+            *_, hidden = DraftPrefill(rt, chain(K))(kv, rank, aux[:, :i + 1], nxt, torch.zeros(1, dtype=torch.int64),
+                                                    torch.tensor([i]))
             for j in range(K):
-                logits = torch.nn.functional.linear(rt.norm(hidden), rt.lm_head.weight)
+                logits = torch.nn.functional.linear(rt.norm(hidden.reshape(1, -1)), rt.lm_head.weight)
                 torch.testing.assert_close(logits[0], ttt[j][0, i], rtol=1e-4, atol=1e-4)
-                if j + 1 < K:  # teacher-forced token t_{i+2+j}, position i+1+j
-                    _, hidden = DraftStep(rt)(kv, rank, hidden, tokens[:, i + 2 + j], torch.tensor([i + 1 + j]))
+                if j + 1 < K:  # teacher-forced token t_{i+2+j} at position i+1+j: the chain's step j+1, which
+                    # writes draft slot i+1+j and sees the steps before it (scratch offsets 0..j)
+                    p = torch.tensor([[i + 1 + j]])
+                    mask = (torch.arange(K - 1) <= j)[None, None]
+                    *_, hidden = DraftStep(rt, chain(K))(kv, rank, hidden.reshape(1, 1, -1), tokens[:, i + 2 + j:i + 3 + j],
+                                                         p, p, torch.tensor([i + 1]), mask)
 
 
 def test_demo_recipe():

@@ -311,10 +311,11 @@ def run_trials(engine, n: int, seed0: int = 0):
 @pytest.fixture(scope="module")
 def runs(pair):
     """{draft: (token lists, summed SpecStats, seconds, Counter of proposed draft tokens)}. The real
-    verify_sampled runs; a pass-through spy only records which tokens the compiled draft proposed."""
-    import eagle3_runtime.engine as engine_mod
+    verify_sampled runs (the engine's tree sampler hands a chain to it); a pass-through spy only records
+    which tokens the compiled draft proposed."""
+    import eagle3_runtime.sampling as sampling_mod
 
-    real = engine_mod.verify_sampled
+    real = sampling_mod.verify_sampled
     out = {}
     for i, (name, engine) in enumerate(pair["engines"].items()):
         proposed: collections.Counter = collections.Counter()
@@ -325,7 +326,7 @@ def runs(pair):
 
         t0 = time.perf_counter()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(engine_mod, "verify_sampled", spy)
+            mp.setattr(sampling_mod, "verify_sampled", spy)
             outs, stats = run_trials(engine, N_TRIALS, seed0=i * N_TRIALS)  # different seeds per draft
         out[name] = (outs, stats, time.perf_counter() - t0, proposed)
     return out
@@ -380,9 +381,9 @@ def _no_residual(logits, drafts, p, gen):
 @pytest.mark.parametrize("broken", [_always_accept, _no_residual], ids=["always_accept", "no_residual"])
 def test_broken_sampler_fails_the_check(pair, monkeypatch, broken):
     """Negative control: the same comparison must reject a sampler that is subtly or grossly wrong."""
-    import eagle3_runtime.engine as engine_mod
+    import eagle3_runtime.sampling as sampling_mod
 
-    monkeypatch.setattr(engine_mod, "verify_sampled", broken)
+    monkeypatch.setattr(sampling_mod, "verify_sampled", broken)
     t0 = time.perf_counter()
     n = N_CONTROL[broken.__name__.strip("_")]
     outs, stats = run_trials(pair["engines"]["good"], n, seed0=100_000)

@@ -38,7 +38,7 @@ def prompts_and_reference(tiny):
     return prompts, ref
 
 
-@pytest.mark.parametrize("which", ["dynamic", "static"])
+@pytest.mark.parametrize("which", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
 def test_tree_bundle_tp2_equals_transformers(tiny, tmp_path, prompts_and_reference, which):
     prompts, ref = prompts_and_reference
     built = tiny.bundle(tp=2, recipe=DYNAMIC if which == "dynamic" else STATIC)

@@ -26,6 +26,7 @@ class VerifyReport:
     diagnoses: list[Diagnosis] = field(default_factory=list)
     diagnosis_error: str | None = None
     seconds: float = 0.0
+    speculation: str = ""  # the shape of every batch bucket (SpecShape.describe())
 
     @property
     def too_many_near_ties(self) -> bool:
@@ -116,6 +117,7 @@ class VerifyReport:
             "bundle": self.bundle, "passed": self.passed, "lossless_ok": self.lossless_ok,
             "gate_ok": self.gate_ok, "reference": self.reference, "dtype": self.dtype,
             "reference_dtype": self.reference_dtype, "num_speculative_tokens": self.num_speculative_tokens,
+            "speculation": self.speculation,
             "max_tokens": self.max_tokens, "min_acceptance_length": self.min_acceptance_length,
             "num_prompts": len(self.prompts), "tokens_compared": self.tokens_compared,
             "spec_decoding": self.acceptance.to_dict(),
@@ -130,7 +132,7 @@ class VerifyReport:
         exact = sum(p.exact for p in self.prompts)
         ties = sum(p.near_tie for p in self.prompts)
         lines = [(f"verify {self.bundle}: reference {self.reference} ({self.reference_dtype}), {n} prompts x "
-                  f"{self.max_tokens} tokens, K {self.num_speculative_tokens}"),
+                  f"{self.max_tokens} tokens, {self.speculation or f'K {self.num_speculative_tokens}'}"),
                  f"lossless: {exact}/{n} prompts token-for-token identical"
                  + (f", {ties} parted at a numerical near-tie (continuation checked teacher-forced)" if ties else "")
                  + f" ({self.tokens_compared} tokens compared) - {'ok' if self.lossless_ok else 'FAILED'}",
@@ -152,7 +154,8 @@ def render_report(report: VerifyReport, console) -> None:
     acc = report.acceptance
     console.print(f"[bold]verify[/] {report.bundle}", highlight=False)
     console.print(f"reference: {report.reference} ({report.reference_dtype}); bundle dtype {report.dtype}, "
-                  f"K {report.num_speculative_tokens}, {len(report.prompts)} prompts x {report.max_tokens} tokens",
+                  f"{report.speculation or f'K {report.num_speculative_tokens}'}, {len(report.prompts)} prompts x "
+                  f"{report.max_tokens} tokens",
                   highlight=False, soft_wrap=True)
     t = Table(title="lossless check (speculative greedy vs the target's greedy generate)", title_justify="left")
     for c in ("#", "prompt", "tokens", "result", "first diff", "margin", "τ"):

@@ -103,6 +103,7 @@ def verify_bundle(
 
     report = VerifyReport(bundle=str(root), reference=ref_desc, dtype=manifest.dtype, reference_dtype=ref_dtype,
                           num_speculative_tokens=manifest.num_speculative_tokens, max_tokens=max_tokens,
+                          speculation="; ".join(f"batch {b}: {s.describe()}" for b, s in manifest.speculation.items()),
                           min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc)
     if diagnose or (diagnose is None and not report.gate_ok):
         say("diagnosing the draft")
