@@ -52,3 +52,15 @@ def test_tree_bundle_tp2_equals_transformers(tiny, tmp_path, prompts_and_referen
         # transformers stops at EOS as the runtime does
         assert g["token_ids"] == want, f"prompt {i}"
     assert max(g["acceptance_length"] for g in got) > 1.0
+
+
+def test_gpt_oss_twin_with_a_tree_tp1(tiny):
+    """The GPT-OSS twin (sliding-window + full attention with sinks, MoE, YaRN) with a dynamic tree:
+    verify's 20 prompts token for token against transformers' GptOssForCausalLM."""
+    from eagle3_build.verify.run import verify_bundle
+
+    built = tiny.bundle(arch="gpt-oss", recipe=DYNAMIC)
+    assert built.manifest["models"]["target"]["architecture"] == "gpt_oss"
+    report = verify_bundle(built.path, num_prompts=N_PROMPTS, max_tokens=24)
+    assert report.passed and all(r.exact for r in report.prompts), report.format()
+    assert report.acceptance.num_drafts > 0
