@@ -64,7 +64,6 @@ def test_aoti_tp1_decodes_like_export_and_transformers(world):
     assert exp["token_ids"] == got["token_ids"]
 
 
-@pytest.mark.slow  # (130 s; CI runs aoti at TP 1 and TP 2 under torchrun with the export backend)
 def test_aoti_tp2_under_torchrun(world):
     """Two ranks, each binding its own weights to the same native packages; the all-reduces inside
     the compiled code run under gloo. Greedy output == transformers."""

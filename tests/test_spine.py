@@ -36,7 +36,8 @@ def reference(hf_cache, pair_dir, prompt_ids, n):
 
 
 @pytest.mark.parametrize("k,fmt", [
-    (3, "eagle"), (3, "speculators"), (3, "specforge"),
+    (3, "speculators"),  # (eagle / specforge drafts are loaded and checked in tests/test_tiny.py and others)
+    pytest.param(3, "eagle", marks=pytest.mark.slow), pytest.param(3, "specforge", marks=pytest.mark.slow),
     # K 1 adds no new code path (the GPT-OSS twin decodes at K 1 in the default run): full (slow) run only
     pytest.param(1, "speculators", marks=pytest.mark.slow), pytest.param(1, "eagle", marks=pytest.mark.slow),
     pytest.param(1, "specforge", marks=pytest.mark.slow)])

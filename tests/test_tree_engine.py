@@ -1,6 +1,6 @@
 """Token-tree speculation through the engine and real compiled graphs (tiny pair, export backend).
 
-* greedy tree speculation (dynamic and static trees) gives the target's greedy tokens;
+* (greedy tree speculation == transformers on 20 prompts: tests/test_tree_lossless.py)
 * an oracle draft that puts the target's next token at the SECOND child of every node makes every
   round accept a path off the first-child line, so the verified KV of the path must be moved into
   place (Bundle.compact_kv) before the next pass: the output must still be the target's, with the
@@ -32,18 +32,6 @@ def dynamic(tiny):
 
 def _reference(bundle: Bundle, prompt: list[int], n: int) -> list[int]:
     return Engine(bundle, speculative=False).generate(prompt, n).token_ids
-
-
-@pytest.mark.parametrize("which", ["dynamic", "static"])
-def test_greedy_tree_equals_plain_decoding(tiny, which):
-    bundle = Bundle(tiny.bundle(recipe=DYNAMIC if which == "dynamic" else STATIC).path)
-    shape = bundle.manifest.speculation[1]
-    assert shape.kind == which and shape.depth == 3 and shape.num_nodes == 7
-    eng = Engine(bundle)
-    for prompt in PROMPTS:
-        got = eng.generate(prompt, 40)
-        assert got.token_ids == _reference(bundle, prompt, 40)
-        assert got.stats.num_drafts > 0 and got.target_passes < 40
 
 
 class _Oracle:
@@ -125,6 +113,7 @@ def test_oracle_tree_without_the_move_goes_wrong(dynamic, monkeypatch):
     assert any(got.token_ids != ref for ref, got in outs)
 
 
+@pytest.mark.slow  # (the default run serves chain@1 + none@2 over HTTP below)
 def test_tree_at_batch_1_chain_at_batch_2_serves_concurrent_requests(tiny):
     import threading
 
@@ -191,7 +180,7 @@ def test_chain_at_batch_1_none_at_batch_2_serves_4_concurrent_clients(tiny):
 
         metrics = httpx.get(server.url + "/metrics").text
         assert 'eagle3_step_latency_seconds_count{kind="decode"}' in metrics  # batch 2 ran plain
-        assert "eagle3_spec_decode_num_drafts_total" in metrics
+        assert 'eagle3_spec_decode_shape_num_drafts_total{shape="chain K 3"}' in metrics  # batch 1 speculated
     finally:
         server.stop()
 
