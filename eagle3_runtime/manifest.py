@@ -84,7 +84,7 @@ class SpecShape(_Strict):
         elif self.choices is not None:
             if self != static_tree(self.choices):
                 raise ValueError("topk / width / num_nodes / depth do not match the static tree's choices")
-        elif self.width > self.topk or self.width > self.topk ** 2:
+        elif self.width > self.topk:
             raise ValueError(f"width {self.width} exceeds topk {self.topk}")
         elif not self.depth <= self.num_nodes - 1 <= max_tree_nodes(self.depth, self.topk) - 1:
             raise ValueError(f"num_nodes {self.num_nodes} must be in [depth + 1, {max_tree_nodes(self.depth, self.topk)}]"
@@ -272,7 +272,7 @@ def prefill_shape(speculation: dict[int, SpecShape]) -> SpecShape:
     (draft_prefill proposes the root's children for whichever bucket the row decodes in)."""
     deepest = max(speculation.values(), key=lambda s: (s.depth, s.topk))
     k = max(s.topk for s in speculation.values())
-    return deepest if deepest.topk == k else SpecShape.model_construct(**{**deepest.__dict__, "topk": k})
+    return deepest if deepest.topk == k else deepest.model_copy(update={"topk": k})
 
 
 def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape]) -> list[tuple[str, int]]:
@@ -462,6 +462,7 @@ class Manifest(_Strict):
                 raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role")
             if not g.inputs or g.inputs[0].name != RANK.name:
                 raise ValueError(f"graph {g.name}: the first input must be the rank")
+            _check_speculation_ports(g, graph_shape(g.role, g.bucket, self.speculation))
             for w in g.weights:
                 model, _, tensor = w.partition("/")
                 if model not in self.models or tensor not in self.models[model].tensors:
@@ -494,6 +495,20 @@ class Manifest(_Strict):
         for m in self.models.values():
             out += m.weight_files
         return list({f.path: f for f in out}.values())
+
+
+def _check_speculation_ports(g: GraphEntry, shape: SpecShape) -> None:
+    """The graph's ports whose sizes follow from its bucket and speculation shape alone (tokens, positions,
+    masks, top-k) have exactly those sizes: the engine builds its inputs from the shape."""
+    dims = {"n": g.bucket, **shape.dims()}
+    role = ROLES[g.role]
+    have = {s.name: s.shape for s in [*g.inputs, *g.outputs]}
+    for port in (*role.inputs, *role.outputs):
+        if all(isinstance(d, int) or d in dims for d in port.shape):
+            want = [d if isinstance(d, int) else dims[d] for d in port.shape]
+            if have.get(port.name) != want:
+                raise ValueError(f"graph {g.name}: {port.name} has shape {have.get(port.name)}, its bucket's "
+                                 f"speculation shape ({shape.describe()}) needs {want}")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -209,3 +209,21 @@ def test_draft_catches_up_after_plain_rounds(tiny):
         while eng.has_work():
             eng.step()
     assert got[0] == alone.token_ids and catchups  # the long row went back to batch 1 and caught up
+
+
+def test_a_shape_that_disagrees_with_the_graphs_is_refused(tiny, tmp_path):
+    """A manifest (digest recomputed) whose speculation shape does not match its graphs' inputs: one
+    BundleError at load, not a shape error in the middle of a decode."""
+    import json
+    import shutil
+
+    from eagle3_runtime.manifest import BundleError, Manifest
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny.bundle(recipe=DYNAMIC).path, b)
+    raw = json.loads((b / "manifest.json").read_text())
+    raw["speculation"] = {"1": {"depth": 3, "topk": 2, "width": 2, "num_nodes": 6}}  # the graphs verify 7 nodes
+    raw["digest"] = Manifest.model_construct(**raw).compute_digest()
+    (b / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(BundleError, match="target_verify_b1: tokens has shape .* needs"):
+        Bundle(b)
