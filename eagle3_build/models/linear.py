@@ -1,7 +1,8 @@
 """How a projection is written into a graph: one rule, used by every model file.
 
-Up to SMALL_ROWS token rows (decode-sized graphs) it is computed weight-stationary, y = (W @ x.T).T,
-materialised row-major, which CPU GEMM runs close to one read of the weights; more rows keep
+Up to SMALL_ROWS token rows (decode, verify and tree-verify graphs) it is computed weight-stationary,
+y = (W @ x.T).T, materialised row-major, which CPU GEMM runs close to one read of the weights; a single
+row is computed as two (MKL's matrix-vector path reads the weights at half the speed); more rows keep
 F.linear. Why, and the measurements: docs/linear-layout.md.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_ROWS = 8  # at most max_num_seqs * (K + 1) token rows in the demo's verify graphs
+SMALL_ROWS = 32  # covers max_num_seqs x tree nodes of the demo's verify graphs (docs/linear-layout.md)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +28,11 @@ def weight_stationary(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T computed as (weight @ x.T).T, materialised row-major."""
     k = x.shape[-1]
     rows = x.numel() // k
-    return torch.mm(weight, x.reshape(rows, k).t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(rows, k)
+    if rows == 1:  # as a 2-column GEMM, not MKL's matrix-vector path
+        return torch.mm(weight, x2.expand(2, k).contiguous().t())[:, :1].t().contiguous().reshape(
+            *x.shape[:-1], weight.shape[0])
+    return torch.mm(weight, x2.t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
