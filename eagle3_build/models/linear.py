@@ -28,11 +28,11 @@ def weight_stationary(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T computed as (weight @ x.T).T, materialised row-major."""
     k = x.shape[-1]
     rows = x.numel() // k
-    x2 = x.reshape(rows, k)
+    cols = x.reshape(rows, k)
     if rows == 1:  # as a 2-column GEMM, not MKL's matrix-vector path
-        return torch.mm(weight, x2.expand(2, k).contiguous().t())[:, :1].t().contiguous().reshape(
-            *x.shape[:-1], weight.shape[0])
-    return torch.mm(weight, x2.t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
+        cols = cols.expand(2, k).contiguous()
+    y = torch.mm(weight, cols.t())[:, :rows]
+    return y.t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
