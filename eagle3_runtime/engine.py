@@ -445,6 +445,7 @@ class Engine:
         paths = torch.zeros(bsz, T, dtype=torch.int64)
         nxt = torch.zeros(bsz, T, dtype=torch.int64)
         last = torch.zeros(bsz, dtype=torch.int64)
+        name = shape.describe()
         for s, ok in zip(rows, spec):
             if ok:
                 t, p = trees[s.row], s.pos
@@ -455,8 +456,8 @@ class Engine:
                 else:
                     path, new = verify_tree_sampled(logits[s.row], t, s.req.sampling, s.gen)
                 a = len(path) - 1
-                s.stats.record(a, N - 1, shape.describe())
-                self.metrics.record_draft(a, N - 1, shape.describe())
+                s.stats.record(a, N - 1, name)
+                self.metrics.record_draft(a, N - 1, name)
                 paths[s.row, :a + 1], nxt[s.row, :a + 1], last[s.row] = torch.tensor(path), torch.tensor(new), a
                 self._emit(s, new)
                 moved = [(p + j, p + m) for m, j in enumerate(path) if j != m]  # (none for a chain)

@@ -30,15 +30,15 @@ class Tree:
     depths: list[int]
 
     def mask(self) -> torch.Tensor:
-        """[N, N] bool: node i sees node j iff j is i or an ancestor of i."""
+        """[N, N] bool: node i sees node j iff j is i or an ancestor of i (a row is its parent's row
+        plus itself: parents come first)."""
         N = len(self.tokens)
-        m = torch.zeros(N, N, dtype=torch.bool)
-        for i in range(N):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = self.parents[j]
-        return m
+        rows: list[list[bool]] = []
+        for i, p in enumerate(self.parents):
+            row = list(rows[p]) if p >= 0 else [False] * N
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).reshape(N, N)
 
     def children(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.tokens]

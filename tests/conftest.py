@@ -15,8 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session", autouse=True)
 def _private_compile_cache(tmp_path_factory):
     """Every test process (and the CLI processes they start) shares one throwaway compile cache,
-    never the user's ~/.cache/eagle3-build. Tests about the cache itself use their own."""
-    os.environ["EAGLE3_BUILD_CACHE"] = str(tmp_path_factory.mktemp("compile-cache"))
+    never the user's ~/.cache/eagle3-build; under pytest -n its workers share it (entries land atomically).
+    Tests about the cache itself use their own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = tmp_path_factory.getbasetemp().parent / "compile-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("compile-cache")
+    os.environ["EAGLE3_BUILD_CACHE"] = str(cache)
     yield
 
 

@@ -126,60 +126,40 @@ def test_chain_tree_is_the_chain_sampler():
 
 # broken tree samplers: the same check must reject them (proves the test can fail)
 
-def _no_renormalise(logits, tree, params, gen):
-    """Tries each sibling with its raw p(x) instead of the residual's r(x) / sum(r)."""
-    probs = target_probs(logits, params)
-    kids = tree.children()
-    path = [0]
-    while True:
-        u, r = path[-1], probs[path[-1]].clone()
-        for c in kids[u]:
-            x = tree.tokens[c]
-            if float(torch.rand(1, generator=gen)) < float(probs[u, x]):
-                path.append(c)
-                break
-            r[x] = 0.0
-        else:
-            return path, [tree.tokens[i] for i in path[1:]] + [sample(r, gen)]
+FLAWS = {
+    "no_renormalise": "tries each sibling with its raw p(x) instead of the residual's r(x) / sum(r)",
+    "resample_from_p": "on rejection of every child, samples p_u instead of the residual",
+    "first_child_only": "tries only the first child (the residual still zeroes every child)",
+}
 
 
-def _resample_from_p(logits, tree, params, gen):
-    """On rejection of every child, sample from p_u instead of the residual."""
-    probs = target_probs(logits, params)
-    kids = tree.children()
-    path = [0]
-    while True:
-        u, r = path[-1], probs[path[-1]].clone()
-        for c in kids[u]:
-            x = tree.tokens[c]
-            if float(torch.rand(1, generator=gen)) * float(r.sum()) < float(r[x]):
-                path.append(c)
-                break
-            r[x] = 0.0
-        else:
-            return path, [tree.tokens[i] for i in path[1:]] + [sample(probs[u], gen)]
+def _flawed(flaw: str):
+    """verify_tree_sampled's walk with one flaw (FLAWS)."""
+    def sampler(logits, tree, params, gen):
+        probs = target_probs(logits, params)
+        kids = tree.children()
+        path = [0]
+        while True:
+            u = path[-1]
+            r = probs[u].clone()
+            for c in kids[u][:1] if flaw == "first_child_only" else kids[u]:
+                x = tree.tokens[c]
+                q = probs[u, x] if flaw == "no_renormalise" else r[x] / r.sum()
+                if float(torch.rand(1, generator=gen)) < float(q):
+                    path.append(c)
+                    break
+                r[x] = 0.0
+            else:
+                for c in kids[u]:
+                    r[tree.tokens[c]] = 0.0
+                return path, [tree.tokens[i] for i in path[1:]] + [sample(probs[u] if flaw == "resample_from_p" else r, gen)]
+    return sampler
 
 
-def _first_child_only(logits, tree, params, gen):
-    """Only the first child is tried; the residual still zeroes every child."""
-    probs = target_probs(logits, params)
-    kids = tree.children()
-    path = [0]
-    while True:
-        u = path[-1]
-        r = probs[u].clone()
-        if kids[u] and float(torch.rand(1, generator=gen)) < float(r[tree.tokens[kids[u][0]]]):
-            path.append(kids[u][0])
-            continue
-        for c in kids[u]:
-            r[tree.tokens[c]] = 0.0
-        return path, [tree.tokens[i] for i in path[1:]] + [sample(r, gen)]
-
-
-@pytest.mark.parametrize("broken", [_no_renormalise, _resample_from_p, _first_child_only])
-def test_broken_tree_sampler_fails_the_check(broken):
+@pytest.mark.parametrize("flaw", list(FLAWS))
+def test_broken_tree_sampler_fails_the_check(flaw):
     logits, params = _logits(), SamplingParams(temperature=1.0)
     tree = _tree(target_probs(logits, params), True)
-    results = _tree_checks(broken, logits, tree, params, trials=8000)
-    _report(f"broken {broken.__name__}", results)
+    results = _tree_checks(_flawed(flaw), logits, tree, params, trials=8000)
+    _report(f"broken: {FLAWS[flaw]}", results)
     assert not _passes(results), results

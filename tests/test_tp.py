@@ -7,6 +7,7 @@ transformers' greedy output of the target.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +22,16 @@ HIDDEN, PADDED = 92, 96
 PROMPT = "Once upon a time, in a land far away"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-           "--master-port", str(29500 + os.getpid() % 1000), *args]
+           "--master-port", str(free_port()), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
