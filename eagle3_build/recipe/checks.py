@@ -1,0 +1,435 @@
+"""The recipe's rules beyond its schema: sources, buckets, speculation shapes (chains, trees, one per
+batch bucket), backend options, and a checked pair built into a PairRecipe."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import ValidationError
+
+from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_NODES, NO_SPECULATION, SpecShape, chain,
+    dynamic_tree, max_tree_nodes, min_max_model_len, static_tree)
+
+from ..buckets import default_batch_buckets, default_prefill_buckets
+from ..errors import UserError
+from .schema import (PairRecipe, SourceSpec, Speculation, Serving, Parallel, Buckets, VerifySettings,
+    RawPair, RawSource, RawSpecSection, RawSpeculation, describe_value, get_path, is_int, pos_int,
+    pydantic_message)
+
+# the backend_options each backend understands (checked here with the recipe line, and by get_backend)
+BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs"),
+                   "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags")}
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+HF_RE = re.compile(r"hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?\Z")
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_SOURCE_FORMS = (
+    "a local checkpoint directory, hf://org/name[@revision], a path to a .gguf file, "
+    "or a mapping with keys source, gguf_file, allow_pickle"
+)
+
+
+def resolve_source(value: Any, base_dir: Path, rel: tuple, add: Callable[..., None]) -> SourceSpec | None:
+    """Normalise one target/draft entry; reports problems through ``add`` and returns None if any."""
+    ok = True
+    if isinstance(value, str):
+        uri, gguf_file, allow_pickle, src_rel = value, None, False, rel
+    elif isinstance(value, dict):
+        try:
+            raw = RawSource.model_validate(value)
+            uri, gguf_file, allow_pickle = raw.source, raw.gguf_file, raw.allow_pickle
+        except ValidationError as exc:
+            for err in exc.errors():
+                add(rel + tuple(err["loc"]), pydantic_message(err, RawSource))
+            # keep checking what is usable so that every problem is reported at once
+            uri, gguf_file, allow_pickle = value.get("source"), value.get("gguf_file"), False
+            if not isinstance(gguf_file, str):
+                gguf_file = None
+            ok = False
+        if not isinstance(uri, str):
+            return None
+        src_rel = rel + ("source",)
+    else:
+        add(rel, f"must be {_SOURCE_FORMS}; got {describe_value(value)}")
+        return None
+
+    if gguf_file is not None and (not gguf_file.lower().endswith(".gguf") or gguf_file.startswith(("/", "\\"))):
+        add(rel + ("gguf_file",), f"must be the relative name of a .gguf file, got {gguf_file!r}")
+        ok = False
+    if not uri.strip():
+        add(src_rel, f"must not be empty; use {_SOURCE_FORMS}")
+        return None
+
+    if uri.startswith("hf://"):
+        m = HF_RE.match(uri)
+        if not m:
+            add(src_rel, f"malformed hf:// uri {uri!r}: must be hf://org/name or hf://org/name@revision")
+            return None
+        if not ok:
+            return None
+        return SourceSpec(
+            uri=uri,
+            kind="hf",
+            repo_id=f"{m.group(1)}/{m.group(2)}",
+            revision=m.group(3) or "main",
+            gguf_file=gguf_file,
+            allow_pickle=allow_pickle,
+        )
+
+    if _SCHEME_RE.match(uri):
+        add(src_rel, f"unsupported source {uri!r}: use a local path, hf://org/name[@revision] or a .gguf file")
+        return None
+
+    p = Path(os.path.expanduser(uri))
+    if not p.is_absolute():
+        p = base_dir / p
+    p = Path(os.path.abspath(p))
+    if gguf_file is not None:
+        if uri.lower().endswith(".gguf"):
+            add(rel + ("gguf_file",), "only allowed when source is a directory or an hf:// repo; source already names a .gguf file")
+            return None
+        if not p.is_dir():
+            add(src_rel, f"local directory {uri!r} does not exist (resolved to {p})")
+            return None
+        if not ok:
+            return None
+        f = p / gguf_file
+        if not f.is_file():
+            add(rel + ("gguf_file",), f"GGUF file {gguf_file!r} not found in {p}")
+            return None
+        return SourceSpec(uri=uri, kind="gguf", path=str(f), allow_pickle=allow_pickle)
+    if uri.lower().endswith(".gguf"):
+        if not p.is_file():
+            add(src_rel, f"GGUF file {uri!r} does not exist (resolved to {p})")
+            return None
+        return SourceSpec(uri=uri, kind="gguf", path=str(p), allow_pickle=allow_pickle) if ok else None
+    if not p.exists():
+        add(src_rel, f"local path {uri!r} does not exist (resolved to {p}; relative paths resolve against "
+                     "the recipe's directory); use an existing checkpoint directory, a .gguf file or hf://org/name[@revision]")
+        return None
+    if not p.is_dir():
+        add(src_rel, f"{uri!r} is a file; a local source must be a checkpoint directory or a .gguf file")
+        return None
+    return SourceSpec(uri=uri, kind="local", path=str(p), allow_pickle=allow_pickle) if ok else None
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_buckets(merged: dict, add: Callable[..., None], deepest: tuple[int, str] | None) -> None:
+    """Bucket list shape and their relation to serving limits (only on values of valid type).
+
+    ``deepest``: (depth, the key that gives it) of the deepest speculation shape in use (None: unknown)."""
+    k, k_name = deepest if deepest is not None else (None, "")
+    mml = pos_int(get_path(merged, "serving", "max_model_len"))
+    serving = merged.get("serving") if isinstance(merged.get("serving"), dict) else {}
+    mns = pos_int(serving.get("max_num_seqs", 1))
+    mnbt_raw = serving.get("max_num_batched_tokens")
+    mnbt = pos_int(mnbt_raw)
+
+    if mml is not None and k is not None and mml < min_max_model_len(k):
+        why = "" if k_name == _TOP_DEPTH else ", the deepest speculation shape"
+        add(("serving", "max_model_len"), f"must be greater than {k_name} + 1 ({k + 1}{why}), got {mml}; "
+                                          f"raise it to at least {min_max_model_len(k)}")
+    if mml is not None and mnbt is not None and mnbt > mml:
+        add(("serving", "max_num_batched_tokens"), f"must be <= serving.max_model_len ({mml}), got {mnbt}")
+
+    for kind in ("prefill", "batch"):
+        lst = get_path(merged, "buckets", kind)
+        if not isinstance(lst, list) or not all(is_int(b) for b in lst):
+            continue  # absent/null -> default; wrong types are reported by the schema
+        rel = ("buckets", kind)
+        if not lst:
+            add(rel, "must not be empty; give ascending positive integers or omit it for the defaults")
+            continue
+        good = True
+        for i, b in enumerate(lst):
+            if b < 1:
+                add(rel + (i,), f"buckets must be positive integers, got {b}")
+                good = False
+            elif i > 0 and b <= lst[i - 1]:
+                add(rel + (i,), f"buckets must be strictly ascending, got {b} after {lst[i - 1]}")
+                good = False
+            elif kind == "prefill" and mml is not None and b > mml:
+                add(rel + (i,), f"prefill bucket {b} exceeds serving.max_model_len ({mml})")
+            elif kind == "batch" and mns is not None and b > mns:
+                add(rel + (i,), f"batch bucket {b} exceeds serving.max_num_seqs ({mns}); its graphs could never "
+                                "run (a batch holds at most max_num_seqs sequences)")
+        if not good:
+            continue
+        if kind == "batch" and mns is not None and lst[-1] < mns:
+            add(rel, f"largest batch bucket ({lst[-1]}) is smaller than serving.max_num_seqs ({mns}); add a bucket >= {mns}")
+
+    mal = get_path(merged, "verify", "min_acceptance_length")
+    if k is not None and isinstance(mal, (int, float)) and not isinstance(mal, bool) and mal > k + 1:
+        add(("verify", "min_acceptance_length"),
+            f"can never be reached: acceptance length is at most the deepest speculation depth + 1 = {k + 1} "
+            f"({k_name} + 1), got {mal}")
+
+
+# ---------------------------------------------------------------------------- speculation shapes
+
+_TOP_DEPTH = "speculation.num_speculative_tokens"
+_TREE_FORMS = "topk and num_draft_tokens (a dynamic tree) or choices (a static tree)"
+
+
+def _batch_buckets(merged: dict) -> tuple[list[int], str] | None:
+    """The pair's resolved batch buckets and where they come from (None while they are invalid)."""
+    buckets = merged.get("buckets")
+    lst = buckets.get("batch") if isinstance(buckets, dict) else None
+    if buckets is not None and not isinstance(buckets, dict):
+        return None
+    if lst is not None:
+        good = isinstance(lst, list) and lst and all(is_int(b) and b >= 1 for b in lst)
+        return (lst, "buckets.batch") if good and all(a < b for a, b in zip(lst, lst[1:])) else None
+    serving = merged.get("serving")
+    mns = pos_int(serving.get("max_num_seqs", 1)) if isinstance(serving, dict) else None
+    if mns is None:
+        return None
+    return default_batch_buckets(mns), f"the default for serving.max_num_seqs {mns}"
+
+
+def _choices_shape(choices: Any, rel: tuple, add: Callable[..., None]) -> SpecShape | None:
+    """The static tree of ``choices`` (TensorRT-LLM eagle_choices), each bad path reported at its item."""
+    if not isinstance(choices, list) or not all(
+            isinstance(c, list) and all(is_int(r) and 0 <= r < MAX_NODES for r in c) for c in choices):
+        return None  # the schema reports it
+    if not choices:
+        add(rel, "must not be empty: give paths of child ranks such as [[0], [1], [0, 0]] (the root is implied)")
+        return None
+    ok = True
+    given = {tuple(c) for c in choices}
+    first: dict[tuple, int] = {}
+    too_deep = False
+    for i, c in enumerate(choices):
+        t = tuple(c)
+        if not t:
+            add(rel + (i,), "an empty path [] (the root is implied); remove it")
+            ok = False
+        elif t in first:
+            add(rel + (i,), f"{c} appears twice (first as choices[{first[t]}]); each path names one node, remove one")
+            ok = False
+        else:
+            first[t] = i
+            if len(t) > 1 and t[:-1] not in given:
+                add(rel + (i,), f"{c} has no parent {list(t[:-1])} (the paths must be prefix-closed); "
+                                f"add {list(t[:-1])} or remove {c}")
+                ok = False
+            if len(t) > MAX_DEPTH and not too_deep:
+                add(rel + (i,), f"{c} is {len(t)} deep; a tree has at most {MAX_DEPTH} draft steps (the runtime's "
+                                "MAX_DEPTH); shorten the paths")
+                ok, too_deep = False, True
+    if len(choices) + 1 > MAX_NODES:
+        add(rel, f"{len(choices)} paths, at most {MAX_NODES - 1}: a verify pass holds at most {MAX_NODES} nodes "
+                 "(the runtime's MAX_NODES), the root included; remove paths")
+        ok = False
+    if not ok:
+        return None
+    try:
+        return static_tree(choices)
+    except ValueError as exc:  # whatever static_tree refuses that the checks above did not
+        add(rel, str(exc))
+        return None
+
+
+def _section_shape(sec: Any, rel: tuple, add: Callable[..., None], *, top: bool) -> SpecShape | None:
+    """The shape of one speculation section (``speculation`` or a ``per_batch_bucket`` entry) from the merged
+    YAML values, reporting its cross-key problems; None where it is unknown (a problem was reported, here
+    or by the schema)."""
+    if not isinstance(sec, dict):
+        return None
+    drel, trel = rel + ("num_speculative_tokens",), rel + ("tree",)
+    d = sec.get("num_speculative_tokens")
+    d_given = d is not None
+    d_ok = is_int(d) and d >= (1 if top else 0)  # else the schema reports it
+    if d_ok and d > MAX_DEPTH:
+        add(drel, f"must be <= {MAX_DEPTH} (the runtime drafts at most MAX_DEPTH = {MAX_DEPTH} steps), got {d}")
+        d_ok = False
+    tree = sec.get("tree")
+    if tree is not None and not isinstance(tree, dict):
+        return None
+    choices = tree.get("choices") if tree else None
+
+    if choices is not None:  # static tree
+        extra = [key for key in ("topk", "num_draft_tokens") if tree.get(key) is not None]
+        for key in extra:
+            add(trel + (key,), f"not allowed with choices: a static tree's topk and node count come from its "
+                               f"paths; drop {key}, or drop choices for a dynamic tree")
+        shape = _choices_shape(choices, trel + ("choices",), add)
+        if shape is None or extra or (d_given and not d_ok):
+            return None
+        if d_given and d != shape.depth:
+            add(drel, f"must equal the depth of tree.choices ({shape.depth}), got {d}; omit it (the choices give "
+                      f"the depth) or set it to {shape.depth}")
+            return None
+        return shape
+
+    if not d_given:
+        add(drel, "required key is missing: give the number of draft steps (the chain length, or the tree depth); "
+                  "only a static tree (tree.choices) may omit it")
+        return None
+    if tree is None:  # a chain
+        return chain(d) if d_ok else None
+
+    topk, n = tree.get("topk"), tree.get("num_draft_tokens")
+    if topk is None and n is None:
+        add(trel, f"must give {_TREE_FORMS}; omit tree for a chain of num_speculative_tokens")
+        return None
+    if topk is None:
+        add(trel + ("topk",), "required key is missing: a dynamic tree needs topk (children per expanded node) "
+                              "with num_draft_tokens")
+    if n is None:
+        add(trel + ("num_draft_tokens",), "required key is missing: a dynamic tree needs num_draft_tokens (nodes "
+                                          "verified per pass, the root included) with topk")
+    k_ok = is_int(topk) and topk >= 1
+    if k_ok and topk > MAX_NODES:
+        add(trel + ("topk",), f"must be <= {MAX_NODES} (a verify pass holds at most MAX_NODES = {MAX_NODES} nodes), "
+                              f"got {topk}")
+        k_ok = False
+    n_ok = is_int(n) and n >= 1
+    if n_ok and n > MAX_NODES:
+        add(trel + ("num_draft_tokens",), f"must be <= {MAX_NODES} (a verify pass holds at most MAX_NODES = "
+                                          f"{MAX_NODES} nodes, the root included), got {n}")
+        n_ok = False
+    if not (d_ok and k_ok and n_ok):
+        return None
+    if d == 0:
+        add(drel, "must be >= 1 with a tree (a tree drafts at least one step); for no speculation at this batch "
+                  "bucket drop tree")
+        return None
+    most = max_tree_nodes(d, topk)
+    bounds = f"[{d + 1}, {min(most, MAX_NODES)}]"
+    if n < d + 1:
+        add(trel + ("num_draft_tokens",), f"must be in {bounds}, got {n}: it counts the root too, so {d} draft "
+                                          f"steps verify at least num_speculative_tokens + 1 = {d + 1} nodes; "
+                                          f"raise num_draft_tokens or lower num_speculative_tokens")
+        return None
+    if n > most:
+        add(trel + ("num_draft_tokens",), f"must be in {bounds}, got {n}: {d} steps of topk {topk} children can "
+                                          f"grow at most {most} nodes (the root included); lower num_draft_tokens "
+                                          "or raise topk or num_speculative_tokens")
+        return None
+    return dynamic_tree(d, topk, n)
+
+
+def _given_depth(sec: Any, top: bool) -> int | None:
+    """A section's valid num_speculative_tokens: its depth even where the rest of its shape is wrong."""
+    d = sec.get("num_speculative_tokens") if isinstance(sec, dict) else None
+    return d if is_int(d) and (1 if top else 0) <= d <= MAX_DEPTH else None
+
+
+def _depth_name(sec: dict, prefix: str) -> str:
+    return f"{prefix}.num_speculative_tokens" if sec.get("num_speculative_tokens") is not None else (
+        f"the depth of {prefix}.tree.choices")
+
+
+def check_speculation(merged: dict, add: Callable[..., None]) -> tuple[int, str] | None:
+    """Every speculation section's problems and per_batch_bucket's keys; returns (depth, the key giving it) of
+    the deepest shape in use, None when no depth in use is known (a section whose tree is wrong still counts
+    with its num_speculative_tokens)."""
+    spec = merged.get("speculation")
+    if not isinstance(spec, dict):
+        return None
+    top = _section_shape(spec, ("speculation",), add, top=True)
+    per = spec.get("per_batch_bucket")
+    resolved = _batch_buckets(merged)
+    batch = resolved[0] if resolved else None
+    used: list[tuple[int, str]] = []
+    overridden: set[int] = set()
+    for b, sec in (per.items() if isinstance(per, dict) else ()):
+        if not is_int(b):
+            continue  # the schema reports the key
+        rel = ("speculation", "per_batch_bucket", b)
+        known = batch is None or b in batch
+        if not known:
+            add(rel, f"unknown batch bucket {b}; this pair's batch buckets are {', '.join(map(str, batch))} "
+                     f"({resolved[1]}); override only those")
+        overridden.add(b)
+        shape = _section_shape(sec, rel, add, top=False)
+        depth = shape.depth if shape is not None else _given_depth(sec, top=False)
+        if depth is not None and known:
+            used.append((depth, _depth_name(sec, f"speculation.per_batch_bucket[{b}]")))
+    depth = top.depth if top is not None else _given_depth(spec, top=True)
+    if depth is not None and (batch is None or any(b not in overridden for b in batch)):
+        used.insert(0, (depth, _depth_name(spec, "speculation")))  # first: it names a tie
+    if used and batch is not None and len(used) == len(batch) and max(d for d, _ in used) == 0:
+        add(("speculation", "per_batch_bucket"), "no batch bucket speculates (every shape has num_speculative_tokens "
+                                                 "0); give at least one bucket a chain or a tree")
+    return max(used, key=lambda u: u[0]) if used else None
+
+
+def _raw_shape(sec: RawSpeculation | RawSpecSection) -> SpecShape:
+    """The shape of a validated section (the checks above passed)."""
+    tree = sec.tree
+    if tree is not None and tree.choices is not None:
+        shape = static_tree(tree.choices)
+    elif not sec.num_speculative_tokens:
+        shape = NO_SPECULATION
+    elif tree is None:
+        shape = chain(sec.num_speculative_tokens)
+    else:
+        shape = dynamic_tree(sec.num_speculative_tokens, tree.topk, tree.num_draft_tokens)
+    return SpecShape.model_validate(shape.model_dump())  # static_tree constructs without validating
+
+
+def unknown_option_message(name: str, key) -> str | None:
+    """Why `key` is not a backend_options key of backend `name` (None if it is one)."""
+    accepted = BACKEND_OPTIONS[name]
+    if key in accepted:
+        return None
+    takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
+    return f"unknown option {key!r} for backend {name} ({takes})"
+
+
+def check_backend_options(name: str, options: dict | None) -> None:
+    for key in options or {}:
+        message = unknown_option_message(name, key)
+        if message:
+            raise UserError(f"backend_options.{key}: {message}")
+
+
+def check_pair_backend_options(merged: dict, add: Callable[..., None]) -> None:
+    backend, options = merged.get("backend", "export"), merged.get("backend_options")
+    if backend in BACKENDS and isinstance(options, dict):
+        for key in options:
+            message = unknown_option_message(backend, key)
+            if message:
+                add(("backend_options", key), message)
+
+
+def _speculation(raw: RawPair, batch: list[int]) -> Speculation:
+    """The speculation shape of every batch bucket: its per_batch_bucket entry, else the top-level section."""
+    per = raw.speculation.per_batch_bucket or {}
+    top = _raw_shape(raw.speculation) if any(b not in per for b in batch) else None
+    shapes = {b: _raw_shape(per[b]) if b in per else top for b in batch}
+    return Speculation(num_speculative_tokens=max(s.depth for s in shapes.values()), shapes=shapes)
+
+
+def build_pair(raw: RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:
+    mml = raw.serving.max_model_len
+    mnbt = raw.serving.max_num_batched_tokens if raw.serving.max_num_batched_tokens is not None else mml
+    batch = list(raw.buckets.batch) if raw.buckets.batch is not None else default_batch_buckets(raw.serving.max_num_seqs)
+    return PairRecipe(
+        name=raw.name,
+        target=target,
+        draft=draft,
+        dtype=raw.dtype,
+        speculation=_speculation(raw, batch),
+        serving=Serving(max_num_seqs=raw.serving.max_num_seqs, max_model_len=mml, max_num_batched_tokens=mnbt),
+        parallel=Parallel(tp_degree=raw.parallel.tp_degree, padded_hidden_size=raw.parallel.padded_hidden_size),
+        buckets=Buckets(
+            prefill=list(raw.buckets.prefill) if raw.buckets.prefill is not None else default_prefill_buckets(mnbt),
+            batch=batch,
+        ),
+        backend=raw.backend,
+        backend_options=dict(raw.backend_options),
+        verify=VerifySettings(
+            min_acceptance_length=raw.verify.min_acceptance_length,
+            num_prompts=raw.verify.num_prompts,
+            max_tokens=raw.verify.max_tokens,
+            chat=raw.verify.chat,
+        ),
+    )
+
+

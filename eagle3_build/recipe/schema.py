@@ -1,0 +1,316 @@
+"""The recipe's data: the frozen models a loaded recipe is made of, the `Raw*` schema its YAML is
+checked against (unknown keys refused), its errors, and how a pydantic error reads as a recipe line."""
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eagle3_runtime.manifest import BACKENDS, MAX_NODES, MODEL_DTYPES, SpecShape
+
+from ..errors import UserError
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class RecipeIssue:
+    """One problem in a recipe file."""
+
+    file: str
+    line: int | None
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+class RecipeError(UserError):
+    """Every problem found in a recipe; ``str()`` gives one ``file:line: key: message`` per line."""
+
+    def __init__(self, errors: list[RecipeIssue]):
+        self.errors = list(errors)
+        super().__init__(str(self))
+
+    MAX_SHOWN = 20  # a hostile recipe can hold thousands of problems; the first ones name the fix
+
+    def __str__(self) -> str:
+        shown = [str(e) for e in self.errors[: self.MAX_SHOWN]]
+        if len(self.errors) > self.MAX_SHOWN:
+            shown.append(f"... and {len(self.errors) - self.MAX_SHOWN} more problem(s) in this recipe")
+        return "\n".join(shown)
+
+
+# --------------------------------------------------------------------------------- output models
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SourceSpec(_Frozen):
+    """A normalised model source (target or draft)."""
+
+    uri: str  # as written in the recipe
+    kind: Literal["local", "hf", "gguf"]
+    path: str | None = None  # absolute local path (for gguf: the .gguf file)
+    repo_id: str | None = None  # hf only
+    revision: str | None = None  # hf only, default "main"
+    gguf_file: str | None = None  # hf only: a .gguf file inside the repo
+    allow_pickle: bool = False
+
+
+class Speculation(_Frozen):
+    num_speculative_tokens: int  # the deepest shape's depth
+    shapes: dict[int, SpecShape]  # per batch bucket (manifest.SpecShape)
+
+    def scratch(self) -> int:
+        return max(s.scratch for s in self.shapes.values())
+
+
+class Serving(_Frozen):
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+class Parallel(_Frozen):
+    tp_degree: int = 1
+    padded_hidden_size: int | None = None
+
+
+class Buckets(_Frozen):
+    prefill: list[int]
+    batch: list[int]
+
+
+class VerifySettings(_Frozen):
+    """The pair's ``verify`` section. These defaults are the only ones: the schema below and
+    ``eagle3-build verify`` (for a manifest whose recipe lacks a key) take them from here."""
+
+    min_acceptance_length: float | None = None  # the gate; None: no gate
+    num_prompts: int = 4  # 0: compile skips verify
+    max_tokens: int = 32  # per prompt
+    chat: bool = False  # wrap each prompt as one user message in the target's chat template
+
+
+VERIFY_DEFAULTS = VerifySettings()
+
+
+class PairRecipe(_Frozen):
+    name: str
+    target: SourceSpec
+    draft: SourceSpec
+    dtype: Literal[MODEL_DTYPES]  # type: ignore[valid-type]
+    speculation: Speculation
+    serving: Serving
+    parallel: Parallel
+    buckets: Buckets
+    backend: Literal[BACKENDS]  # type: ignore[valid-type]
+    backend_options: dict[str, Any]
+    verify: VerifySettings
+
+
+class Recipe(_Frozen):
+    path: str  # absolute path of the recipe file
+    sha256: str  # of the file bytes
+    pairs: list[PairRecipe]
+
+
+# ------------------------------------------------------------------ input schema (what YAML holds)
+
+
+class Raw(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RawSource(Raw):
+    source: str
+    gguf_file: str | None = None
+    allow_pickle: bool = False
+
+
+class RawTree(Raw):
+    """``speculation.tree``: a dynamic tree (topk + num_draft_tokens) or a static one (choices)."""
+
+    # the upper bounds (MAX_NODES, max_tree_nodes) are checked by _section_shape, which says why
+    topk: int | None = Field(None, ge=1)  # children per expanded node
+    num_draft_tokens: int | None = Field(None, ge=1)  # nodes verified per pass, the root included
+    # TensorRT-LLM eagle_choices: each path of child ranks names one node (rank < MAX_NODES keeps topk <= MAX_NODES)
+    choices: list[list[Annotated[int, Field(ge=0, le=MAX_NODES - 1)]]] | None = None
+
+
+class RawSpecSection(Raw):
+    """One ``speculation.per_batch_bucket`` entry: a whole shape (0 steps: no speculation there)."""
+
+    num_speculative_tokens: int | None = Field(None, ge=0)  # None: only with tree.choices; <= MAX_DEPTH
+    tree: RawTree | None = None
+
+
+class RawSpeculation(Raw):
+    num_speculative_tokens: int | None = Field(None, ge=1)  # None: only with tree.choices; <= MAX_DEPTH
+    tree: RawTree | None = None
+    per_batch_bucket: dict[int, RawSpecSection] | None = None
+
+
+class RawServing(Raw):
+    max_num_seqs: int = Field(1, ge=1)
+    max_model_len: int = Field(ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+
+
+class RawParallel(Raw):
+    tp_degree: int = Field(1, ge=1)
+    padded_hidden_size: int | None = Field(None, ge=1)
+
+
+class RawBuckets(Raw):
+    prefill: list[int] | None = None
+    batch: list[int] | None = None
+
+
+class RawVerify(Raw):
+    min_acceptance_length: float | None = Field(VERIFY_DEFAULTS.min_acceptance_length, ge=1)
+    num_prompts: int = Field(VERIFY_DEFAULTS.num_prompts, ge=0)
+    max_tokens: int = Field(VERIFY_DEFAULTS.max_tokens, ge=1)
+    chat: bool = VERIFY_DEFAULTS.chat
+
+
+class RawPair(Raw):
+    name: str
+    target: Any  # checked by resolve_source (str or mapping)
+    draft: Any
+    dtype: Literal[MODEL_DTYPES] = "bfloat16"  # type: ignore[valid-type]
+    speculation: RawSpeculation
+    serving: RawServing
+    parallel: RawParallel = RawParallel()
+    buckets: RawBuckets = RawBuckets()
+    backend: Literal[BACKENDS] = "export"  # type: ignore[valid-type]
+    backend_options: dict[str, Any] = Field(default_factory=dict)
+    verify: RawVerify = RawVerify()
+
+
+# -------------------------------------------------------------------------------- helpers
+
+
+def fmt_key(path: tuple) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def describe_value(value: Any) -> str:
+    """Describe a YAML value with its YAML type, e.g. ``string '3'``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"float {value!r}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def pos_int(v: Any) -> int | None:
+    return v if is_int(v) and v >= 1 else None
+
+
+def get_path(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _unoptional(ann: Any) -> Any:
+    """``X | None`` -> ``X`` (other annotations unchanged)."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return _unoptional(args[0])
+    return ann
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that validates the value at ``loc`` (None if not a model); a
+    ``dict[K, Model]`` or ``list[Model]`` field is followed through its keys / indices."""
+    cur: Any = model
+    for part in loc:
+        cur = _unoptional(cur)
+        if _is_model(cur):
+            if part not in cur.model_fields:
+                return None
+            cur = cur.model_fields[part].annotation
+        elif typing.get_origin(cur) in (dict, list) and typing.get_args(cur):
+            cur = typing.get_args(cur)[-1]
+        else:
+            return None
+    cur = _unoptional(cur)
+    return cur if _is_model(cur) else None
+
+
+def pydantic_message(err: dict, model: type[BaseModel]) -> str:
+    typ = err["type"]
+    loc = tuple(err["loc"])
+    inp = err.get("input")
+    ctx = err.get("ctx") or {}
+    if typ == "extra_forbidden":
+        parent = _model_at(model, loc[:-1])
+        allowed = ", ".join(parent.model_fields) if parent else "none"
+        return f"unknown key {loc[-1]!r}; allowed keys: {allowed}"
+    if typ == "missing":
+        return "required key is missing"
+    if typ in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer, got {describe_value(inp)}"
+    if typ in ("float_type", "float_parsing"):
+        return f"must be a number, got {describe_value(inp)}"
+    if typ in ("bool_type", "bool_parsing"):
+        return f"must be true or false, got {describe_value(inp)}"
+    if typ in ("string_type", "string_sub_type"):
+        return f"must be a string, got {describe_value(inp)}"
+    if typ == "list_type":
+        return f"must be a list, got {describe_value(inp)}"
+    if typ == "dict_type" and loc[-1:] == ("per_batch_bucket",):
+        return (f"must be a mapping of batch bucket sizes to sections with keys "
+                f"{', '.join(RawSpecSection.model_fields)}, got {describe_value(inp)}")
+    if typ in ("dict_type", "model_type", "model_attributes_type"):
+        sub = _model_at(model, loc)
+        keys = f" with keys {', '.join(sub.model_fields)}" if sub else ""
+        return f"must be a mapping{keys}, got {describe_value(inp)}"
+    if typ == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {describe_value(inp)}"
+    if typ == "greater_than_equal":
+        return f"must be >= {ctx.get('ge')}, got {describe_value(inp)}"
+    if typ == "less_than_equal":
+        return f"must be <= {ctx.get('le')}, got {describe_value(inp)}"
+    if typ == "greater_than":
+        return f"must be > {ctx.get('gt')}, got {describe_value(inp)}"
+    return f"{err['msg']}, got {describe_value(inp)}"
+
+
