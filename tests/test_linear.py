@@ -1,5 +1,5 @@
-"""The projection rule (eagle3_build/models/linear.py): decode-sized inputs are traced weight-stationary,
-prefill-sized ones as F.linear, and both compute x @ W.T (+ b)."""
+"""The projection rule (eagle3_build/models/linear.py): decode-sized float32 inputs are traced
+weight-stationary, prefill-sized ones and other dtypes as F.linear, and both compute x @ W.T (+ b)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,10 +18,10 @@ def test_linear_matches_f_linear(shape, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def _mm_ops(rows: int) -> list[tuple[str, str]]:
+def _mm_ops(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, str]]:
     """(op, first argument) of every matmul in the exported graph of a Linear over `rows` token rows."""
-    mod = Linear(24, 40, bias=False)
-    ep = torch.export.export(mod, (torch.randn(1, rows, 24),))
+    mod = Linear(24, 40, bias=False, dtype=dtype)
+    ep = torch.export.export(mod, (torch.randn(1, rows, 24, dtype=dtype),))
     return [(str(n.target), str(n.args[0])) for n in ep.graph.nodes
             if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.linear.default)]
 
@@ -32,6 +32,12 @@ def test_decode_sized_inputs_trace_weight_stationary():
     assert ops and all(op == "aten.mm.default" and arg.startswith("p_weight") for op, arg in ops), ops
     # prefill-sized: plain F.linear, the weight as operand B
     assert _mm_ops(SMALL_ROWS + 1) == [("aten.linear.default", "x")]
+
+
+@pytest.mark.parametrize("rows", [1, 4, SMALL_ROWS])
+def test_bf16_keeps_f_linear(rows):
+    # oneDNN's bf16 GEMM: F.linear is faster than weight-stationary at every row count (docs/linear-layout.md)
+    assert _mm_ops(rows, torch.bfloat16) == [("aten.linear.default", "x")]
 
 
 def test_single_row_traces_a_two_column_gemm():

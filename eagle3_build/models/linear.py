@@ -1,9 +1,10 @@
 """How a projection is written into a graph: one rule, used by every model file.
 
-Up to SMALL_ROWS token rows (decode, verify and tree-verify graphs) it is computed weight-stationary,
-y = (W @ x.T).T, materialised row-major, which CPU GEMM runs close to one read of the weights; a single
-row is computed as two (MKL's matrix-vector path reads the weights at half the speed); more rows keep
-F.linear. Why, and the measurements: docs/linear-layout.md.
+In float32, up to SMALL_ROWS token rows (decode, verify and tree-verify graphs) it is computed
+weight-stationary, y = (W @ x.T).T, materialised row-major, which CPU GEMM (MKL) runs close to one read of
+the weights; a single row is computed as two (MKL's matrix-vector path reads the weights at half the
+speed). More rows, and every other dtype (bf16 goes to oneDNN, where F.linear is the faster form at every
+row count), keep F.linear. Why, and the measurements: docs/linear-layout.md.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ SMALL_ROWS = 32  # covers max_num_seqs x tree nodes of the demo's verify graphs 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); weight-stationary when x has at most SMALL_ROWS rows (module doc)."""
+    """F.linear(x, weight, bias); weight-stationary when a float32 x has at most SMALL_ROWS rows (module doc)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= SMALL_ROWS:
+    if x.dtype != torch.float32 or not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
     y = weight_stationary(x, weight)
     return y if bias is None else y + bias
