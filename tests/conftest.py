@@ -1,4 +1,5 @@
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,13 @@ def _private_compile_cache(tmp_path_factory):
         cache = tmp_path_factory.mktemp("compile-cache")
     os.environ["EAGLE3_BUILD_CACHE"] = str(cache)
     yield
+
+
+def free_port() -> int:
+    """A free loopback TCP port (for a server or a torchrun rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None

@@ -1,7 +1,6 @@
 """A real eagle3-serve process on loopback: concurrency, chat, bad input, disconnects, metrics, queue."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -10,14 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away", "def main():\n    print(", "1, 2, 3, 4,"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProc:

@@ -7,25 +7,18 @@ transformers' greedy output of the target.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import free_port, run_cli
 from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
 HIDDEN, PADDED = 92, 96
 PROMPT = "Once upon a time, in a land far away"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
