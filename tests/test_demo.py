@@ -178,3 +178,43 @@ def test_fetch_demo_target_converts_once_and_matches_the_gguf(tmp_path):
     assert target.eos_token_ids == [2] and target.args.num_layers == 30
     check_pair(target, _draft(target))
     assert (out / "chat_template.jinja").exists()
+
+
+def test_magpie_prompts_keep_complete_distinct_user_turns():
+    """--prompt-source magpie: the target samples user turns after the chat template's user header; a turn
+    cut off before <|im_end|>, one too short or too long, and a repeat are dropped; the header is what the
+    target sees before a real user message."""
+    from eagle3_build.testing.tiny import make_tiny_tokenizer
+
+    tr = _training_module()
+    tok = make_tiny_tokenizer()
+    eos = tr.EOS_ID
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False)
+    header = tok(text[:text.index("Hi there")], add_special_tokens=False)["input_ids"]
+
+    def ids(s):
+        out = tok(s, add_special_tokens=False)["input_ids"]
+        assert eos not in out
+        return out
+
+    turns = [ids("Explain the water cycle, please.") + [eos],
+             ids("Write a long story about a dragon and"),  # cut off: no <|im_end|>
+             ids("ok") + [eos],  # shorter than MAGPIE["min_chars"]
+             ids("Explain the water cycle, please.") + [eos],  # a repeat
+             ids("How do I bake bread at home?") + [eos, 7, 7]]  # what follows <|im_end|> is ignored
+    calls = []
+
+    class Sampler:
+        def generate(self, input_ids, **kw):
+            calls.append((input_ids[0].tolist(), kw))
+            width = max(map(len, turns))
+            # finished rows are padded with <|im_end|> (the pad id), an unfinished one runs to the width
+            rows = [input_ids[0].tolist() + t + [eos if eos in t else 7] * (width - len(t))
+                    for t in turns[:input_ids.shape[0]]]
+            return torch.tensor(rows)
+
+    got = tr.magpie_prompts(Sampler(), tok, 2, seed=0, batch=5, log=lambda m: None)
+    assert got == ["Explain the water cycle, please.", "How do I bake bread at home?"]
+    assert calls[0][0] == header and calls[0][1]["do_sample"] and calls[0][1]["eos_token_id"] == eos
+    with pytest.raises(SystemExit, match="usable prompts"):  # a sampler that never finishes a turn
+        tr.magpie_prompts(Sampler(), tok, 50, seed=0, batch=5, log=lambda m: None)

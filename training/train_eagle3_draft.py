@@ -179,6 +179,10 @@ def make_prompts(n_train: int, n_eval: int, seed: int) -> tuple[list[str], list[
     return out[n_eval:], out[:n_eval]
 
 
+# sampling settings of --prompt-source magpie (in the data key)
+MAGPIE = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 64, "min_chars": 12, "max_chars": 400}
+
+
 # ----------------------------------------------------------------------------- target data
 
 def load_target(path: Path):
@@ -235,6 +239,33 @@ def generate(model, tok, prompts: list[str], max_new_tokens: int, batch: int, lo
     return out
 
 
+@torch.no_grad()
+def magpie_prompts(model, tok, n: int, seed: int, batch: int, log) -> list[str]:
+    """`n` distinct user turns sampled from the target itself (Magpie, Xu et al. 2024): the chat template up
+    to the start of a user message, sampled until <|im_end|>. Only complete turns of MAGPIE's length are kept."""
+    text = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False)
+    prefix = torch.tensor([tok(text[:text.index("\x00")], add_special_tokens=False)["input_ids"]])
+    torch.manual_seed(seed)
+    out, seen, tries = [], set(), 0
+    while len(out) < n:
+        tries += 1
+        if tries > 4 * (n // batch + 1):
+            raise SystemExit(f"magpie: {len(out)} usable prompts after {tries - 1} batches (wanted {n})")
+        g = model.generate(input_ids=prefix.expand(batch, -1), attention_mask=torch.ones(batch, prefix.shape[1],
+                           dtype=torch.long), do_sample=True, temperature=MAGPIE["temperature"],
+                           top_p=MAGPIE["top_p"], top_k=0, max_new_tokens=MAGPIE["max_new_tokens"],
+                           pad_token_id=EOS_ID, eos_token_id=EOS_ID)
+        for row in g[:, prefix.shape[1]:].tolist():
+            if EOS_ID not in row:
+                continue  # cut off: not a complete user turn
+            p = tok.decode(row[:row.index(EOS_ID)], skip_special_tokens=True).strip()
+            if MAGPIE["min_chars"] <= len(p) <= MAGPIE["max_chars"] and p not in seen and len(out) < n:
+                seen.add(p)
+                out.append(p)
+        log(f"  magpie: {len(out)}/{n} prompts from {tries * batch} samples")
+    return out
+
+
 CHUNK = 768  # training prompts per cached data chunk: more data = more chunks, earlier chunks are reused
 
 
@@ -245,6 +276,8 @@ def data_key(args) -> str:
     spec = {"chunk": CHUNK, "n_eval": args.n_eval, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
             "aux": AUX_LAYER_IDS, "templates": TEMPLATES, "words": WORD_LISTS, "format": 4, "wheel": marker.get("wheel_sha256"),
             "dtype": "bfloat16"}
+    if args.prompt_source == "magpie":  # the templated key stays what it was
+        spec |= {"prompts": "magpie", "magpie": MAGPIE, "templates": None, "words": None}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -282,18 +315,23 @@ def build_data(args, log, only: list[int] | None = None) -> tuple[dict, dict, di
     d = DATA_ROOT / data_key(args)
     d.mkdir(parents=True, exist_ok=True)
     meta_path = d / "meta.json"
-    n_chunks = args.train_chunks if only is None else max(only) + 1
-    train_p, eval_p = make_prompts(n_chunks * CHUNK, args.n_eval, args.seed)
-    splits = [("eval", eval_p)] if only is None else []
-    splits += [(f"train-{c:03d}", train_p[c * CHUNK:(c + 1) * CHUNK])
-               for c in (only if only is not None else range(n_chunks))]
-    model = tok = None
-    for split, prompts in splits:
+    chunks = list(range(args.train_chunks)) if only is None else only
+    model = tok = None  # loaded on the first split that needs generating
+    if args.prompt_source == "templates":
+        train_p, eval_p = make_prompts((max(chunks, default=-1) + 1) * CHUNK, args.n_eval, args.seed)
+        prompts_of = {"eval": eval_p} | {f"train-{c:03d}": train_p[c * CHUNK:(c + 1) * CHUNK] for c in chunks}
+    else:  # sampled per split with its own seed (below), so processes can generate disjoint chunks side by side
+        prompts_of = {}
+    splits = (["eval"] if only is None or not only else []) + [f"train-{c:03d}" for c in chunks]
+    for split in splits:
         path = d / f"{split}.safetensors"
         if path.exists():
             continue
         if model is None:
             model, tok = load_target(Path(args.target))
+        prompts = prompts_of.get(split) or magpie_prompts(
+            model, tok, args.n_eval if split == "eval" else CHUNK,
+            args.seed * 1000 + (999 if split == "eval" else int(split[6:])), args.gen_batch, log)
         t0 = time.perf_counter()
         log(f"{split}: generating greedy responses to {len(prompts)} prompts (bf16, batch {args.gen_batch})")
         gen = generate(model, tok, prompts, args.max_new_tokens, args.gen_batch, log)
@@ -305,7 +343,11 @@ def build_data(args, log, only: list[int] | None = None) -> tuple[dict, dict, di
     del model
     if only is not None:
         return {}, {}, {}
-    parts = [load_split(d / f"{split}.safetensors") for split, _ in splits]
+    parts = [load_split(d / f"{split}.safetensors") for split in splits]
+    held = set(parts[0]["prompts"])  # sampled prompts may repeat across splits: the held-out ones win
+    for p in parts[1:]:
+        keep = [i for i, q in enumerate(p["prompts"]) if q not in held]
+        p["seqs"], p["prompts"] = [p["seqs"][i] for i in keep], [p["prompts"][i] for i in keep]
     train = {"seqs": [x for p in parts[1:] for x in p["seqs"]], "prompts": [x for p in parts[1:] for x in p["prompts"]]}
     infos = [p["info"] for p in parts[1:]]
     meta = {"n_train": len(train["seqs"]), "n_eval": args.n_eval, "seed": args.seed,
@@ -583,6 +625,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-chunks", type=int, default=6, help=f"training data: chunks of {CHUNK} prompts each")
+    ap.add_argument("--prompt-source", choices=["templates", "magpie"], default="templates",
+                    help="training prompts: this file's templates, or user turns sampled from the target (Magpie)")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start from a saved draft (its draft vocab is kept) instead of a fresh one")
     ap.add_argument("--n-eval", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gen-batch", type=int, default=64)
@@ -633,7 +679,9 @@ def main(argv=None) -> int:
         build_data(args, log, only=[int(c) for c in args.gen_chunks.split(",")])
         return 0
     own_eval = DATA_ROOT / data_key(args) / "eval.safetensors"
-    if args.eval_only and (args.heldout_from or own_eval.exists()):
+    if args.eval_only and not args.heldout_from and not own_eval.exists():
+        build_data(args, log, only=[])  # the held-out split alone
+    if args.eval_only:
         # an eval needs only the held-out split: no training chunk is loaded (or generated)
         path = data_dir(args.heldout_from) / "eval.safetensors" if args.heldout_from else own_eval
         if not path.exists():
@@ -672,7 +720,15 @@ def main(argv=None) -> int:
         print(json.dumps(evaluate(draft, heldout, t2d_index, d2t, args.ttt, ac), indent=1))
         return 0
 
-    d2t, t2d, coverage = draft_vocab(train, args.draft_vocab, V)
+    if args.init_from:
+        from safetensors.torch import load_file
+        init = load_file(str(Path(args.init_from) / "model.safetensors"))
+        d2t, t2d = init["d2t"], init["t2d"]
+        args.draft_vocab = int(d2t.numel())
+        resp = torch.cat([x["tokens"][x["P"]:] for x in train["seqs"]])
+        coverage = float(t2d[resp].float().mean())
+    else:
+        d2t, t2d, coverage = draft_vocab(train, args.draft_vocab, V)
     ids = torch.arange(args.draft_vocab) + d2t
     t2d_index = torch.full((V,), -100, dtype=torch.long)
     t2d_index[ids] = torch.arange(args.draft_vocab)
@@ -681,16 +737,13 @@ def main(argv=None) -> int:
     log(f"draft vocab {args.draft_vocab}: covers {100 * coverage:.2f}% of the training response tokens, "
         f"{100 * held_cov:.2f}% of the held-out ones")
 
-    draft = TrainDraft(H, cfg_t["intermediate_size"], cfg_t["num_attention_heads"], cfg_t["num_key_value_heads"],
-                       cfg_t["head_dim"], cfg_t["rms_norm_eps"], args.draft_vocab, rope_theta, embed,
-                       fc_norm=args.fc_norm)
-    draft.rope_theta = rope_theta
-    with torch.no_grad():  # lm_head / final norm from the target's (tied) embedding rows and final norm
-        draft.lm_head.weight.copy_(embed[ids])
-        draft.norm.weight.copy_(final_norm)
-        if draft.fc_norm is not None:
-            for n, w in zip(draft.fc_norm, fc_norm_init(train, H)):
-                n.weight.copy_(w)
+    if args.init_from:
+        init_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
+        draft = _draft_from_saved(init, cfg_t, embed, rope_theta, init_cfg)
+        log(f"starting from {args.init_from}: held-out before training "
+            f"{json.dumps(evaluate(draft, heldout, t2d_index, d2t, args.ttt, args.autocast != 'off'))}")
+    else:
+        draft = _new_draft(args, cfg_t, embed, ids, final_norm, train, rope_theta)
     draft.lm_head.weight.requires_grad_(not args.freeze_lm_head)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -769,7 +822,7 @@ def main(argv=None) -> int:
                  "train_response_tokens": meta["train"]["response_tokens"],
                  "train_total_tokens": meta["train"]["total_tokens"], "max_new_tokens": meta["max_new_tokens"],
                  "generation": "greedy, transformers bf16, chat template", "generate_s": meta["train"]["generate_s"],
-                 "data_key": data_key(args), "extra": extras,
+                 "data_key": data_key(args), "prompt_source": args.prompt_source, "extra": extras,
                  "total_train_prompts": meta["n_train"] + sum(e["prompts"] for e in extras),
                  "total_train_response_tokens": meta["train"]["response_tokens"] + sum(e["response_tokens"] for e in extras)},
         "draft_vocab": args.draft_vocab, "draft_vocab_coverage": round(coverage, 4),
@@ -778,10 +831,28 @@ def main(argv=None) -> int:
         "fc_norm": draft.fc_norm is not None, "lm_head": "frozen (target rows)" if args.freeze_lm_head else "trained",
         "bf16_autocast": bool(autocast), "train_s": round(train_s, 1), "heldout_eval": res,
     }
+    if args.init_from:  # the run this one continued, as its own config recorded it
+        info["init_from"] = {"path": str(args.init_from), "training": init_cfg.get("eagle3_build_training")}
     save_speculators(draft, d2t, t2d, cfg_t, out, info)
     size = sum(f.stat().st_size for f in out.iterdir())
     log(f"saved {out} ({size / 1e6:.1f} MB)")
     return 0
+
+
+def _new_draft(args, cfg_t, embed, ids, final_norm, train, rope_theta) -> TrainDraft:
+    """A fresh draft: lm_head / final norm from the target's (tied) embedding rows and final norm."""
+    H = embed.shape[1]
+    draft = TrainDraft(H, cfg_t["intermediate_size"], cfg_t["num_attention_heads"], cfg_t["num_key_value_heads"],
+                       cfg_t["head_dim"], cfg_t["rms_norm_eps"], args.draft_vocab, rope_theta, embed,
+                       fc_norm=args.fc_norm)
+    draft.rope_theta = rope_theta
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(embed[ids])
+        draft.norm.weight.copy_(final_norm)
+        if draft.fc_norm is not None:
+            for n, w in zip(draft.fc_norm, fc_norm_init(train, H)):
+                n.weight.copy_(w)
+    return draft
 
 
 def _rate(t):
