@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import datetime as dt
 import errno
+import functools
 import json
 import math
 import os
@@ -28,8 +29,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry, TensorSpec, dtype_name,
-                                     file_entry, kv_cache_length, torch_dtype)
+from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry, PackedWeight,
+                                     TensorSpec, dtype_name, file_entry, kv_cache_length, torch_dtype)
+from eagle3_runtime.packing import pack_weight
 
 from . import __version__
 from .backends.registry import get_backend
@@ -280,6 +282,13 @@ class TracedGraph:
     weights: list[str]  # qualified names in call order
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    packed: list[PackedWeight] = dataclasses.field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=None)
+def packed_shape(shape: tuple[int, ...], rows: int, fmt: str) -> list[int]:
+    """The shape of a packed copy (what the runtime's pack_weight makes on this host)."""
+    return list(pack_weight(torch.empty(shape), rows, fmt).shape)
 
 
 def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[GraphSpec] | None = None):
@@ -310,21 +319,29 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         outputs = contract_outputs(bm, spec)
         if hit is not None:
             job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(), memo["key"], None, hit=hit)
-            yield TracedGraph(spec, job, qnames, inputs, outputs)
+            packed = [PackedWeight.model_validate(p) for p in memo.get("packed", [])]
+            yield TracedGraph(spec, job, qnames, inputs, outputs, packed)
             continue
         weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1]) for q in qnames)
         kv = torch.zeros(bm.state[spec.model].shape, dtype=dtype)
         example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
-        args = (weights, kv, *example)
-        traced = [[s, dtype_name(x)] for s, x in backend.output_specs(module, args)]
+        fmt = backend.pack_format(pair.dtype)
+        module.packable = [] if fmt else None
+        traced = [[s, dtype_name(x)] for s, x in backend.output_specs(module, (weights, kv, *example))]
         if traced != [[o.shape, o.dtype] for o in outputs]:  # the role module strayed from manifest.ROLES
             raise RuntimeError(f"graph {spec.name} returns {traced}, the contract table says "
                                f"{[[o.shape, o.dtype] for o in outputs]}")
-        ep = torch.export.export(module, args, strict=False)
+        packed = []
+        if fmt:  # the projections that packing serves take their packed copy as an extra input
+            module.packed, module.packable = module.packable, None
+            weights += tuple(torch.empty(packed_shape(tuple(weights[i].shape), rows, fmt)) for i, rows in module.packed)
+            packed = [PackedWeight(weight=qnames[i], rows=rows, format=fmt) for i, rows in module.packed]
+        ep = torch.export.export(module, (weights, kv, *example), strict=False)
         key = graph_key(ep, fields)
-        cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs]})
+        cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs],
+                               "packed": [p.model_dump() for p in packed]})
         job = GraphJob(spec.name, spec.role, spec.bucket, spec.tokens_per_call(), key, ep)
-        yield TracedGraph(spec, job, qnames, inputs, outputs)
+        yield TracedGraph(spec, job, qnames, inputs, outputs, packed)
 
 
 def compile_graphs(bm: BuildModels, backend, cache: CompileCache, jobs: int | None, report: Report,
@@ -406,7 +423,7 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
                     info["neff"] = dest.name
         graph_entries.append(GraphEntry(
             name=tg.spec.name, role=tg.spec.role, model=tg.spec.model, bucket=tg.spec.bucket,
-            file=file_entry(root, main), weights=tg.weights, state=bm.state[tg.spec.model].name,
+            file=file_entry(root, main), weights=tg.weights, packed=tg.packed, state=bm.state[tg.spec.model].name,
             inputs=tg.inputs, outputs=tg.outputs, backend=info, key=tg.job.key))
 
     # --- weights: padded + sharded, streamed tensor by tensor into one file per rank

@@ -15,6 +15,7 @@ Bad input ends in one line and exit 2; `--debug` (or EAGLE3_DEBUG=1) adds the ch
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -407,6 +408,12 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         ins = " ".join(f"{i.name}{i.shape}" for i in g.inputs)
         t.add_row(g.name, g.role, str(g.bucket), ins, f"{g.file.size / 1e3:.0f} kB", g.file.sha256[:12])
     out_console.print(t)
+    packed = {(p.weight, p.rows, p.format) for g in m.graphs for p in g.packed}
+    if packed:  # made by the runtime at load (eagle3_runtime.packing): memory on top of the weights
+        mb = sum(math.prod(m.models[w.split("/")[0]].tensors[w.split("/", 1)[1]].shape) * 4
+                 for w, _, _ in packed) / 1e6
+        out_console.print(f"packed at load: {len(packed)} weight copies ({', '.join(sorted({f for *_, f in packed}))}) "
+                          f"for token rows {sorted({r for _, r, _ in packed})}, ~{mb:.0f} MB per rank", highlight=False)
     flags = {g.role: g.backend["compiler_args"] for g in m.graphs if g.backend.get("compiler_args")}
     for role, args in flags.items():  # neuron: neuronx-cc flags per role
         out_console.print(f"neuronx-cc {role}: {shlex.join(args)}", highlight=False, soft_wrap=True)

@@ -16,6 +16,7 @@ from torch import nn
 from eagle3_runtime.manifest import ROLES, Role, SpecShape, dtype_name, graph_shape, plan_roles, torch_dtype
 
 from .models.eagle3 import Eagle3Draft
+from .models.linear import packed_weights
 from .models.llama import Llama
 from .models.weights import weight_tensors
 
@@ -155,16 +156,30 @@ def step_inputs(spec: GraphSpec, *, target_hidden: int, draft_hidden: int, dtype
 
 
 class BoundGraph(nn.Module):
-    """What gets traced: weights arrive as a tuple input and are bound by functional_call."""
+    """What gets traced: weights arrive as a tuple input and are bound by functional_call; after them
+    come the packed copies listed in `packed` as (weight index, rows) (models.linear)."""
 
     def __init__(self, role_module: nn.Module, weight_names: list[str]):
         super().__init__()
         self.role_module = role_module
         self.weight_names = ["m." + n for n in weight_names]
+        self.packed: list[tuple[int, int]] = []
+        self.packable: list[tuple[int, int]] | None = None  # a list: the next call records what packing would serve
 
     def forward(self, weights: tuple, kv: torch.Tensor, *inputs):
-        bound = dict(zip(self.weight_names, weights))
-        return torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
+        n = len(self.weight_names)
+        bound = dict(zip(self.weight_names, weights[:n]))
+        if self.packable is not None:
+            with packed_weights([]) as seen:
+                out = torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
+            index = {id(w): i for i, w in enumerate(weights[:n])}
+            self.packable[:] = sorted({(index[id(w)], rows) for w, rows in seen if id(w) in index})
+            return out
+        table: dict[int, dict[int, torch.Tensor]] = {}
+        for (i, rows), p in zip(self.packed, weights[n:]):
+            table.setdefault(id(weights[i]), {})[rows] = p
+        with packed_weights(table):
+            return torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
 
 
 def model_weight_names(model: nn.Module) -> list[str]:

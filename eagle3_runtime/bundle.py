@@ -15,7 +15,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .compat import backend_checks
-from .manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
+from .manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, PackedWeight, torch_dtype
+from .packing import pack_weight
 from .reader import bundle_file, read_manifest, verify_files
 from .trust import Pins
 
@@ -169,6 +170,7 @@ class Bundle:
             for k, v in tensors.items():
                 self.weights[f"{name}/{k}"] = v
         self.state = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in m.state}
+        self.packed: dict[tuple[str, int, str], torch.Tensor] = {}
         loader = LOADERS[m.backend]
         self.graphs: dict[tuple[str, int], Graph] = {}
         for g in m.graphs:
@@ -176,9 +178,16 @@ class Bundle:
             if missing:
                 raise BundleError(f"{self.root}: graph {g.name} needs weights {missing[:3]} that no weight file "
                                   "holds; the bundle is inconsistent — rebuild it")
-            weights = tuple(self.weights[w] for w in g.weights)
+            weights = tuple(self.weights[w] for w in g.weights) + tuple(self._packed(p) for p in g.packed)
             self.graphs[(g.role, g.bucket)] = Graph(g, loader(bundle_file(self.root, g.file.path), g, weights), weights,
                                                     self.state[g.state], torch.tensor([rank], dtype=torch.int64))
+
+    def _packed(self, p: PackedWeight) -> torch.Tensor:
+        """A packed copy made once per (weight, rows, format) and shared by every graph that takes it."""
+        key = (p.weight, p.rows, p.format)
+        if key not in self.packed:
+            self.packed[key] = pack_weight(self.weights[p.weight], p.rows, p.format)
+        return self.packed[key]
 
     def _load_neuron(self, m: Manifest) -> None:
         """Every rank in this process: one NxD model per model, KV caches on the device (runtime/neuron.py)."""

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 3  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket
+SCHEMA_VERSION = 4  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
+# 4: weights packed at load (GraphEntry.packed)
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
@@ -167,8 +168,9 @@ def sorted_choices(choices) -> list[list[int]]:
 #
 # One graph per (role, bucket), called as
 #     graph(weights: tuple[Tensor, ...], kv: Tensor, rank: Tensor[1], *inputs) -> tuple[Tensor, ...]
-# weights in the order GraphEntry.weights lists them, `kv` the model's static KV cache (mutated in
-# place), the rank as an int64 tensor (one graph serves every rank), then the role's inputs below.
+# weights in the order GraphEntry.weights lists them, then GraphEntry.packed (copies made at load),
+# `kv` the model's static KV cache (mutated in place), the rank as an int64 tensor (one graph serves
+# every rank), then the role's inputs below.
 # Shape symbols: n the bucket (prefill length S or batch size b); from the bucket's SpecShape N (nodes
 # per verify), T = depth + 1 (the longest accepted path with its bonus token), W (nodes per draft
 # step), k (children per node; prefill: the largest k of any bucket), M (draft-step scratch); A = 3 x the
@@ -368,6 +370,13 @@ class FileEntry(_Strict):
         return bundle_relpath(v)
 
 
+class PackedWeight(_Strict):
+    """A graph input made at load time from one of its weights (eagle3_runtime.packing)."""
+    weight: str  # qualified name, one of the graph's weights
+    rows: Count  # the GEMM row count the packing is for
+    format: Literal["mkl_sgemm"]
+
+
 class GraphEntry(_Strict):
     name: str
     role: Literal[tuple(ROLE_MODEL)]  # type: ignore[valid-type]
@@ -375,6 +384,7 @@ class GraphEntry(_Strict):
     bucket: Count
     file: FileEntry
     weights: list[str]  # qualified "<model>/<tensor>" names, in call order
+    packed: list[PackedWeight] = []  # passed after the weights, in this order
     state: str  # name of the KV cache tensor the graph mutates
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -467,6 +477,9 @@ class Manifest(_Strict):
                 model, _, tensor = w.partition("/")
                 if model not in self.models or tensor not in self.models[model].tensors:
                     raise ValueError(f"graph {g.name}: weight {w!r} is not in any model's tensors")
+            for p in g.packed:
+                if p.weight not in g.weights:
+                    raise ValueError(f"graph {g.name}: packed weight {p.weight!r} is not one of its weights")
         if self.digest and not DIGEST_RE.fullmatch(self.digest):
             raise ValueError("digest must be 64 lowercase hex digits (sha256)")
         return self

@@ -57,6 +57,7 @@ def test_aoti_tp1_decodes_like_export_and_transformers(world):
             names = z.namelist()
         assert any(n.endswith(".so") for n in names), names
         assert g["file"]["size"] < 20e6
+    assert_packed_projections(m)
     got = generate(aoti)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
@@ -75,9 +76,32 @@ def test_aoti_tp2_under_torchrun(world):
         with zipfile.ZipFile(aoti / g["file"]["path"]) as z:
             assert any(n.endswith(".so") for n in z.namelist())
         assert g["file"]["size"] < 20e6
+    assert_packed_projections(m)
     got = generate(aoti, tp=2)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
+
+
+def assert_packed_projections(m: dict) -> None:
+    """float32 on an MKL CPU: the projections of decode-sized graphs take their weight packed for
+    their row count (made at load); prefill graphs only the last position's lm_head."""
+    if not torch.backends.mkl.is_available():
+        return
+    for g in m["graphs"]:
+        rows = {p["rows"] for p in g["packed"]}
+        assert all(p["weight"] in g["weights"] and p["format"] == "mkl_sgemm" for p in g["packed"])
+        if g["role"].endswith("prefill"):
+            assert [p["weight"].split("/")[1] for p in g["packed"]] in ([], ["lm_head.weight"]), g["name"]
+            assert rows <= {1}
+        else:
+            assert g["packed"] and max(rows) <= 32, g["name"]
+    by_role = {g["role"]: g for g in m["graphs"] if g["bucket"] == 1}
+    assert {p["rows"] for p in by_role["target_decode"]["packed"]} == {1}
+    verify = by_role["target_verify"]
+    assert {p["rows"] for p in verify["packed"]} == {verify["inputs"][1]["shape"][1]}  # the verify's nodes
+    layers = m["models"]["target"]["config"]["num_layers"]
+    assert len(verify["packed"]) == 7 * layers + 1  # q k v o gate up down per layer, lm_head
+
 
 
 def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):

@@ -260,6 +260,10 @@ def test_symlink_leaving_the_bundle_is_refused(good, tmp_path):
     ("eos outside vocab", lambda r: r.__setitem__("eos_token_ids", [10 ** 9]), "eos_token_ids"),
     ("unknown role", lambda r: r["graphs"][0].__setitem__("role", "exec_shell"), "role"),
     ("weight nobody holds", lambda r: r["graphs"][0]["weights"].append("target/nope"), "nope"),
+    ("packed copy of a weight the graph lacks", lambda r: r["graphs"][0]["packed"].append(
+        {"weight": "draft/fc.weight", "rows": 4, "format": "mkl_sgemm"}), "packed weight"),
+    ("unknown packing", lambda r: r["graphs"][0]["packed"].append(
+        {"weight": r["graphs"][0]["weights"][0], "rows": 4, "format": "pickle"}), "format"),
 ])
 def test_manifest_is_validated_as_data(good, tmp_path, case, mutate, needle):
     b = copy(good, tmp_path)

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+from eagle3_runtime.packing import pack_available
+
 from ..errors import UserError
 from ..files import atomic_write
 from ..recipe import check_backend_options
@@ -48,6 +50,9 @@ class AotiBackend(Backend):
             raise UserError("backend_options.device cuda: this machine has no CUDA device (or torch is a CPU "
                             "build); build on a GPU host or use device: cpu")
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
+        self.pack_weights = opts.pop("pack_weights", True)
+        if not isinstance(self.pack_weights, bool):
+            raise UserError(f"backend_options.pack_weights {self.pack_weights!r}: must be true or false")
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
 
     def version(self) -> str:
@@ -60,8 +65,15 @@ class AotiBackend(Backend):
         return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
 
     def key_fields(self, role: str) -> dict:
-        return {"name": NAME, "version": self.version(), "target": self.target(),
-                "inductor_configs": self.inductor_configs}
+        fields = {"name": NAME, "version": self.version(), "target": self.target(),
+                  "inductor_configs": self.inductor_configs}
+        return {**fields, "pack_weights": True} if self.pack_weights else fields  # (unpacked: the old keys)
+
+    def pack_format(self, dtype: str) -> str | None:
+        """float32 projections of decode-sized graphs take MKL-packed weights (made by the runtime at
+        load: eagle3_runtime.packing) on a CPU torch with MKL, unless backend_options.pack_weights is false."""
+        ok = self.pack_weights and self.device == "cpu" and dtype == "float32" and pack_available("mkl_sgemm")
+        return "mkl_sgemm" if ok else None
 
     def toolchain(self) -> dict[str, str]:
         return {"aoti_device": self.device, "aoti_target": self.target()}
@@ -86,13 +98,39 @@ class AotiBackend(Backend):
             patch = {"compile_threads": 1}
             if self.vec_isa_ok:
                 patch["cpp.vec_isa_ok"] = True
-            with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch):
+            with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
+                    packed_input_lowering():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(out),
                                                          inductor_configs=self.inductor_configs)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         set_serialization_id(out, key)
         return {"format": "aotinductor", "torch": torch.__version__, "device": self.device, "target": self.target()}
+
+
+@contextlib.contextmanager
+def packed_input_lowering():
+    """Inductor lowers `mkl._mkl_linear` only with the packed weight as a graph constant (its freezing
+    pass makes it); here the packed weight is a graph input (made at load), so lower the call straight
+    to the same MKL kernel (mkldnn_ir.MKLPackedLinear) with every operand an input."""
+    if not torch._C.has_mkl:
+        yield
+        return
+    from torch._inductor import lowering, mkldnn_ir
+    from torch._inductor.ir import TensorBox
+
+    op = torch.ops.mkl._mkl_linear
+    keys = [k for k in (op, op.default) if k in lowering.lowerings]
+    old = {k: lowering.lowerings[k] for k in keys}
+
+    def lower(x, packed_w, orig_w, b, batch_size, *, layout=None):
+        return TensorBox.create(mkldnn_ir.MKLPackedLinear.create(x, packed_w, orig_w, b, batch_size))
+
+    lowering.lowerings.update({k: lower for k in keys})
+    try:
+        yield
+    finally:
+        lowering.lowerings.update(old)
 
 
 def host_vec_isa(cache_root: Path) -> dict:

@@ -86,6 +86,10 @@ class Backend(abc.ABC):
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per compile worker) before the first compile."""
 
+    def pack_format(self, dtype: str) -> str | None:
+        """The eagle3_runtime.packing format decode-sized projections take their weights in (None: plain)."""
+        return None
+
     def output_specs(self, module, example_args: tuple) -> list[tuple[list[int], object]]:
         return output_specs(module, example_args)
 

@@ -5,8 +5,15 @@ weight-stationary, y = (W @ x.T).T, materialised row-major, which CPU GEMM (MKL)
 the weights; a single row is computed as two (MKL's matrix-vector path reads the weights at half the
 speed). More rows, and every other dtype (bf16 goes to oneDNN, where F.linear is the faster form at every
 row count), keep F.linear. Why, and the measurements: docs/linear-layout.md.
+
+Where the backend packs weights (aoti on an MKL CPU, float32), a weight with a packed copy for the
+call's row count goes to `mkl._mkl_linear` instead; the copies are graph inputs made by the runtime at
+load (eagle3_runtime.packing), bound here by tensor identity while tracing (`packed_weights`).
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -15,12 +22,34 @@ from torch import nn
 SMALL_ROWS = 32  # covers max_num_seqs x tree nodes of the demo's verify graphs (docs/linear-layout.md)
 
 
+# id(weight) -> {rows: packed copy} while tracing with packed inputs; a list collecting
+# (weight, rows) while finding which projections take them
+_PACKED: contextvars.ContextVar[dict | list | None] = contextvars.ContextVar("packed_weights", default=None)
+
+
+@contextlib.contextmanager
+def packed_weights(table: dict | list):
+    """Inside: `linear` uses table[id(weight)][rows] where present, or, given a list, appends
+    (weight, rows) for every projection that packing would serve."""
+    token = _PACKED.set(table)
+    try:
+        yield table
+    finally:
+        _PACKED.reset(token)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); weight-stationary when a float32 x has at most SMALL_ROWS rows (module doc)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if x.dtype != torch.float32 or not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
+    table = _PACKED.get()
+    if isinstance(table, list):
+        table.append((weight, rows))
+    elif table is not None and rows in table.get(id(weight), {}):
+        y = torch.ops.mkl._mkl_linear(x.reshape(rows, k), table[id(weight)][rows], weight, bias, rows)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     y = weight_stationary(x, weight)
     return y if bias is None else y + bias
 
