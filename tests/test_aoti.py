@@ -132,3 +132,17 @@ def test_inductor_isa_probe_is_memoised_per_host(world):
     b.prepare(root)
     assert b.vec_isa_ok is None
     memos[0].write_text(json.dumps(memo))
+
+
+def test_pack_weights_option():
+    """Packing is for float32 on a CPU torch with MKL, on by default, off with pack_weights: false
+    (then the graph keys are those of an unpacked build); anything but a bool is refused."""
+    from eagle3_build.backends.aoti import AotiBackend
+    from eagle3_build.errors import UserError
+
+    on, off = AotiBackend({}), AotiBackend({"pack_weights": False})
+    assert on.pack_format("float32") == ("mkl_sgemm" if torch.backends.mkl.is_available() else None)
+    assert on.pack_format("bfloat16") is None and off.pack_format("float32") is None
+    assert "pack_weights" not in off.key_fields("target_decode") and on.key_fields("target_decode")["pack_weights"]
+    with pytest.raises(UserError, match="pack_weights"):
+        AotiBackend({"pack_weights": "yes"})
