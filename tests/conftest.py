@@ -24,6 +24,8 @@ def _private_compile_cache(tmp_path_factory):
     else:
         cache = tmp_path_factory.mktemp("compile-cache")
     os.environ["EAGLE3_BUILD_CACHE"] = str(cache)
+    # the CLIs and servers the tests start take one thread too: two test workers share the cores
+    os.environ.setdefault("EAGLE3_NUM_THREADS", "1")
     yield
 
 
@@ -100,10 +102,32 @@ def bundle(tiny) -> Path:
     return b.path
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_sessionfinish(session):
+    """Under pytest -n a worker's terminal summary is not shown: each worker leaves its fixture log for
+    the controller to print."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and _factories:
+        base = session.config._tmp_path_factory.getbasetemp().parent
+        (base / f"tiny-fixtures-{worker}.txt").write_text("\n".join(_fixture_lines()) + "\n")
+
+
+def _fixture_lines() -> list[str]:
+    lines = []
     for f in _factories:
         if f.log:
-            terminalreporter.write_line(f"tiny fixtures (tests/fixtures): {sum(w == 'pair' for w, _, _ in f.log)} "
-                                        f"pairs, {sum(w == 'bundle' for w, _, _ in f.log)} bundles, "
-                                        f"{sum(s for _, _, s in f.log):.0f}s")
-            terminalreporter.write_line(f.summary())
+            lines.append(f"tiny fixtures (tests/fixtures): {sum(w == 'pair' for w, _, _ in f.log)} "
+                         f"pairs, {sum(w == 'bundle' for w, _, _ in f.log)} bundles, "
+                         f"{sum(s for _, _, s in f.log):.0f}s")
+            lines.append(f.summary())
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    lines = _fixture_lines()
+    if not hasattr(config, "workerinput"):  # the controller (or a run without -n)
+        base = config._tmp_path_factory.getbasetemp()
+        for path in sorted(base.glob("tiny-fixtures-*.txt")):
+            lines += [f"{path.stem.removeprefix('tiny-fixtures-')}: {line}" if i == 0 else line
+                      for i, line in enumerate(path.read_text().splitlines())]
+    for line in lines:
+        terminalreporter.write_line(line)

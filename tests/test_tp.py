@@ -87,7 +87,7 @@ def test_tp_padding_parity_and_greedy(tp_world, tp, padded):
 
 
 def test_world_size_mismatch_is_refused(tp_world):
-    bundle = bundle_for(tp_world, 2, False)
+    bundle = bundle_for(tp_world, 2, True)  # the parity test's bundle
     r = run_cli("eagle3-run", str(bundle), "--prompt", "hi", "--max-tokens", "2")
     assert r.returncode == 2
     assert "built for tp_degree 2" in r.stderr and "torchrun --nproc-per-node 2" in r.stderr
