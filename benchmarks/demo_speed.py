@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== decode speed, {len(prompts)} held-out chat prompts x {args.max_tokens} tokens, {threads} threads, "
           f"{manifest.backend} backend (1-min load average at start {load_at_start})")
     print(f"  {'eagle3 runtime, speculative:':32}{rt['spec']['decode_tok_s']:7.1f} tok/s   "
-          f"({manifest.speculation[min(manifest.speculation)].describe()}, acceptance length {acc['mean_acceptance_length']:.2f})")
+          f"({manifest.speculation[manifest.batch_buckets[0]].describe()}, acceptance length {acc['mean_acceptance_length']:.2f})")
     print(f"  eagle3 runtime, no speculation: {rt['plain']['decode_tok_s']:7.1f} tok/s   "
           f"(speculation {rt['speedup_decode']:.2f}x)")
     print(f"  transformers eager (float32):   {hf['decode_tok_s']:7.1f} tok/s")

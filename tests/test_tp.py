@@ -49,13 +49,10 @@ def role_outputs(bundle: Path, tp: int, out: Path) -> dict[str, torch.Tensor]:
     return load_file(out)
 
 
-@pytest.mark.parametrize("tp,padded", [
-    pytest.param(1, False, marks=pytest.mark.slow),
-    # in the full (slow) run only: CI proves padding + TP 2 numerically on the GPT-OSS twin (tests/test_gpt_oss.py,
-    # mxfp4-tp2-padded-k3) and TP 2 greedy through torchrun in test_aoti / test_server / test_tree_lossless
-    pytest.param(2, True, marks=pytest.mark.slow), pytest.param(2, False, marks=pytest.mark.slow),
-    pytest.param(1, True, marks=pytest.mark.slow), pytest.param(4, False, marks=pytest.mark.slow),
-    pytest.param(4, True, marks=pytest.mark.slow)])
+# the full (slow) run only: CI proves padding + TP 2 numerically on the GPT-OSS twin (tests/test_gpt_oss.py,
+# mxfp4-tp2-padded-k3) and TP 2 greedy through torchrun in test_aoti / test_server / test_tree_lossless
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,padded", [(1, False), (2, True), (2, False), (1, True), (4, False), (4, True)])
 def test_tp_padding_parity_and_greedy(tp_world, tp, padded):
     world = tp_world
     if world["ref"] is None:
@@ -88,7 +85,7 @@ def test_tp_padding_parity_and_greedy(tp_world, tp, padded):
 
 
 def test_world_size_mismatch_is_refused(tp_world):
-    bundle = bundle_for(tp_world, 2, True)  # the parity test's bundle
+    bundle = bundle_for(tp_world, 2, True)  # (also the full run's parity bundle)
     r = run_cli("eagle3-run", str(bundle), "--prompt", "hi", "--max-tokens", "2")
     assert r.returncode == 2
     assert "built for tp_degree 2" in r.stderr and "torchrun --nproc-per-node 2" in r.stderr
