@@ -243,8 +243,9 @@ def encode_prompts(bundle_dir: Path, texts: list[str], chat: bool) -> tuple[list
         log("the bundle's tokenizer has no chat template: prompts are encoded as raw text")
     if template is None:
         return [tok.encode(t) for t in texts], False
-    return [tok.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False)
-            for t in texts], True
+    with template:
+        return [tok.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False)
+                for t in texts], True
 
 
 # ------------------------------------------------------------------------------------------------ metrics

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import torch
 
 from eagle3_runtime.manifest import (MANIFEST, SCHEMA_VERSION, GraphEntry, Manifest, ModelEntry, PackedWeight,
-                                     TensorSpec, dtype_name, file_entry, kv_cache_length, torch_dtype)
+                                     TensorSpec, dtype_name, file_entry, kv_cache_length, kv_state_name, torch_dtype)
 from eagle3_runtime.packing import pack_weight
 
 from . import __version__
@@ -43,12 +43,16 @@ from .compile.scheduler import (CompileFailed, GraphJob, GraphResult, Scheduler,
                                 static_estimate)
 from .compile.tracing import tracing_process_group
 from .errors import UserError
+from .files import nearest_existing
 from .graphs import GraphSpec, build_graph_module, plan_graphs, step_inputs
 from .models.eagle3 import draft_layout
 from .models.llama import llama_layout
 from .models.weights import weight_tensors
 from .recipe import PairRecipe
 from .sharding import check_tp, tensor_plan, write_rank_files
+
+NAME_MAX = 255  # bytes in one file name (Linux filesystems)
+
 
 @dataclass
 class LoadedPair:
@@ -92,19 +96,24 @@ def build_bundle(pair: PairRecipe, out: Path, report: Report | None = None, *, c
     cache = cache or CompileCache()
     out = Path(out)
     check_out(out, pair, keep=[("the compile cache", cache.root)])
+    cache.open(keep=[("the bundle directory", out)])
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(out.parent, started)
     cache.clean_tmp(started)
     report({"event": "stage", "stage": "load"})
     lp = load_pair(pair)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{owner_tag()}-", dir=out.parent))
+    written = []
+
+    def write(tmp: Path) -> None:
+        written.append(_write_bundle(lp, tmp, backend, cache, jobs, report, require_cached))
+
     try:
-        manifest = _write_bundle(lp, tmp, backend, cache, jobs, report, require_cached)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # (after the swap: the old bundle)
+        replace_staged(out, write)
+    except OSError as e:
+        if e.filename is None:  # (a write to an open file names no path: it was the bundle's)
+            raise OSError(e.errno, e.strerror, str(out)) from e
         raise
-    return manifest
+    return written[0]
 
 
 # ------------------------------------------------------------------ the destination
@@ -132,12 +141,11 @@ def check_out(out: Path, pair: PairRecipe, keep: Iterable[tuple[str, Path]] = ()
         if real == path or real in path.parents:
             raise UserError(f"bundle directory {out} is or contains {what} ({path}); a build replaces its bundle "
                             f"directory as a whole: choose a new one (e.g. --out artifacts/{pair.name})")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"bundle directory {out}: {parent} is a file, not a directory; "
-                                "choose another --out path")
-            break
+    parent = nearest_existing(out.parent)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"bundle directory {out}: {parent} is a file, not a directory; choose another --out path")
+    if len(os.fsencode(f".{out.name}.tmp-{owner_tag()}-abcd1234")) > NAME_MAX:  # (its temporary sibling's name)
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(out))
     check_replaceable(out)
 
 
@@ -154,6 +162,18 @@ def check_replaceable(out: Path) -> None:
     if any(out.iterdir()) and not is_bundle(out):
         raise UserError(f"bundle directory {out} exists and is not a bundle written by eagle3-build (no valid "
                         f"{MANIFEST}); nothing was touched: choose another --out path or remove it yourself")
+
+
+def replace_staged(dest: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a new sibling of `dest` named after this builder (`.NAME.tmp-<owner>-*`), then swap it in
+    (`replace_dir`); on any failure the sibling goes (after the swap: the old tree) and `dest` stays."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{owner_tag()}-", dir=dest.parent))
+    try:
+        fill(tmp)
+        replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
@@ -259,8 +279,8 @@ def build_models(lp: LoadedPair) -> BuildModels:
     # KV caches (rank-local heads), with the scratch positions of manifest.kv_cache_length
     S = kv_cache_length(L, pair.speculation.scratch())
     state = {
-        "target": TensorSpec(name="target_kv", shape=target_model.kv_shape(B, S), dtype=dtype_name(dtype)),
-        "draft": TensorSpec(name="draft_kv", shape=draft_model.kv_shape(B, S), dtype=dtype_name(dtype)),
+        "target": TensorSpec(name=kv_state_name("target"), shape=target_model.kv_shape(B, S), dtype=dtype_name(dtype)),
+        "draft": TensorSpec(name=kv_state_name("draft"), shape=draft_model.kv_shape(B, S), dtype=dtype_name(dtype)),
     }
     return BuildModels(lp, models, bindings, weight_shapes, state)
 
@@ -389,13 +409,49 @@ def compile_shard(pair: PairRecipe, index: int, count: int, report: Report | Non
         raise UserError("compile --shard splits a bundle's graphs across builders; a neuron bundle compiles per model "
                         "through NxD's ModelBuilder (which runs its buckets' neuronx-cc jobs in parallel itself): "
                         "run `eagle3-build compile RECIPE` without --shard")
-    cache = cache or CompileCache()
+    cache = (cache or CompileCache()).open()
     cache.clean_tmp(time.time())
     report({"event": "stage", "stage": "load"})
     bm = build_models(load_pair(pair))
     specs = shard_specs(pair, index, count)
     report({"event": "shard", "index": index, "count": count, "graphs": [s.name for s in specs]})
     return compile_graphs(bm, backend, cache, jobs, report, specs)[1]
+
+
+FETCH_TRIES = 3  # a cache entry removed (`cache prune`, `cache clear`) before its copy is fetched again
+
+
+def fetch_graphs(bm: BuildModels, backend, cache: CompileCache, jobs: int | None, report: Report,
+                 require_cached: bool, into: Path) -> list[tuple[TracedGraph, GraphResult]]:
+    """Compile or fetch every graph (`compile_graphs`) and copy its cache entry's files into `into`. An entry
+    that a concurrent `cache prune` / `clear` removed before its copy is a miss: compiled again."""
+    done: dict[str, tuple[TracedGraph, GraphResult]] = {}
+    specs = None
+    for _ in range(FETCH_TRIES):
+        traced, results = compile_graphs(bm, backend, cache, jobs, report, specs, require_cached=require_cached)
+        specs = []
+        for tg, res in zip(traced, results):
+            try:
+                for fname in res.entry.files:
+                    shutil.copyfile(res.entry.path / fname, into / graph_file(tg.spec.name, fname))
+            except FileNotFoundError:
+                specs.append(tg.spec)
+            else:
+                done[tg.spec.name] = (tg, res)
+        if not specs:
+            return [done[spec.name] for spec in graph_plan(bm.lp.pair)]
+    raise vanishing(cache, [spec.name for spec in specs])
+
+
+def graph_file(graph: str, fname: str) -> str:
+    """A cache entry's file as the bundle names it: graph.pt2 -> <graph>.pt2, graph.neff -> <graph>.neff."""
+    return graph + fname[len("graph"):]
+
+
+def vanishing(cache: CompileCache, names: list[str]) -> UserError:
+    return UserError(f"compile cache {cache.root}: the entries of {', '.join(names)} were removed {FETCH_TRIES} "
+                     "times while this build copied them; stop the `cache prune` / `cache clear` running on that "
+                     "cache and build again")
 
 
 def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs: int | None,
@@ -407,14 +463,13 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
     (root / "graphs").mkdir()
     if backend.SPMD:
         return _write_spmd_bundle(bm, root, backend, cache, report, require_cached, t0)
-    traced, results = compile_graphs(bm, backend, cache, jobs, report, require_cached=require_cached)
+    fetched = fetch_graphs(bm, backend, cache, jobs, report, require_cached, root / "graphs")
     graph_entries, extra_files = [], []
-    for tg, res in zip(traced, results):
+    for tg, res in fetched:
         info = dict(res.entry.meta["info"])
         main = None
         for fname in res.entry.files:
-            dest = root / "graphs" / (tg.spec.name + fname[len("graph"):])
-            shutil.copyfile(res.entry.path / fname, dest)
+            dest = root / "graphs" / graph_file(tg.spec.name, fname)
             if fname == f"graph{backend.SUFFIX}":
                 main = dest
             else:
@@ -440,6 +495,7 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
                                     pad=plan.pad, shard=plan.shard)
         model_entries[name] = _model_entry(bm, name, root, files, tensors)
 
+    results = [res for _, res in fetched]
     counts = {st: sum(r.status == st for r in results) for st in ("compiled", "cached")}
     timings = {r.job.name: {"status": r.status, "seconds": round(r.seconds, 2)} for r in results}
     return _finish_bundle(bm, root, backend, report, model_entries, graph_entries, extra_files,
@@ -548,41 +604,10 @@ def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache
         model, ckpt, layout = bm.models[name]
         mg, key, names, graphs = sm.graphs, sm.key, sm.names, sm.graphs.graphs
         shapes, entries_in, state = mg.weights, sm.inputs, bm.state[name]
-        entry, t_model = cache.get(key), time.perf_counter()
-        status[name] = "cached" if entry is not None else "compiled"
-        if entry is None:
-            for sp, _ in graphs:
-                report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": key,
-                        "status": "compiling", "estimate": 0.0})
-            if require_cached:
-                raise CompileFailed([GraphResult(GraphJob(name, name, 0, 0, key, None), "failed",
-                                                 error="not in the compile cache (--require-cached)")])
-            staged = cache.staging_dir()
-            try:
-                info = backend.compile_model(mg, tp, staged)
-            except UserError:
-                shutil.rmtree(staged, ignore_errors=True)
-                raise
-            except Exception as e:  # one failure for the model's builder, with its log, as for any graph
-                shutil.rmtree(staged, ignore_errors=True)
-                import traceback
-
-                error = f"{type(e).__name__}: {e}"
-                log = cache.record_failure(key, {"graph": name, "backend": backend.NAME, "error": error},
-                                           traceback.format_exc())
-                raise CompileFailed([GraphResult(GraphJob(f"{name} (ModelBuilder)", name, 0, 0, key, None), "failed",
-                                                 error=error, log=log)]) from e
-            except BaseException:
-                shutil.rmtree(staged, ignore_errors=True)
-                raise
-            entry = cache.put(key, staged, {"backend": backend.NAME, "graph": name, "role": name, "bucket": 0,
-                                            "tokens": 0, "compile_seconds": round(time.perf_counter() - t_model, 3),
-                                            "info": info})
+        t_model = time.perf_counter()
+        entry, status[name] = _fetch_model(sm, name, backend, cache, tp, report, require_cached, root / "graphs")
         info = entry.meta["info"]
-        for fname in entry.files:
-            shutil.copyfile(entry.path / fname, root / "graphs" / fname)
-            if fname.endswith(".neff"):
-                extra_files.append(root / "graphs" / fname)
+        extra_files += [root / "graphs" / fname for fname in entry.files if fname.endswith(".neff")]
         model_file = file_entry(root, root / "graphs" / f"{name}{backend.SUFFIX}")
         qualified = [f"{name}/{weight_key(n)}" for n in names] + [f"{name}/{RANK_WEIGHT}"]
         for sp, _ in graphs:
@@ -609,6 +634,56 @@ def _write_spmd_bundle(bm: BuildModels, root: Path, backend, cache: CompileCache
     counts = {st: sum(v == st for v in status.values()) for st in ("compiled", "cached")}
     return _finish_bundle(bm, root, backend, report, model_entries, graph_entries, extra_files,
                           {**counts, "unit": "model", "seconds": round(time.perf_counter() - t0, 2), "graphs": timings})
+
+
+def _fetch_model(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int, report: Report,
+                 require_cached: bool, into: Path) -> tuple:
+    """`_spmd_entry`, its files copied into `into`; an entry a concurrent `cache prune` / `clear` removed
+    before its copy is a miss: compiled again."""
+    for _ in range(FETCH_TRIES):
+        entry, status = _spmd_entry(sm, name, backend, cache, tp, report, require_cached)
+        try:
+            for fname in entry.files:
+                shutil.copyfile(entry.path / fname, into / fname)
+        except FileNotFoundError:
+            continue
+        return entry, status
+    raise vanishing(cache, [name])
+
+
+def _spmd_entry(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int, report: Report,
+                require_cached: bool) -> tuple:
+    """One model's cache entry, compiled (through its ModelBuilder) on a miss -> (entry, "cached" | "compiled")."""
+    entry, t_model = cache.get(sm.key), time.perf_counter()
+    if entry is not None:
+        return entry, "cached"
+    for sp, _ in sm.graphs.graphs:
+        report({"event": "graph", "graph": sp.name, "role": sp.role, "bucket": sp.bucket, "key": sm.key,
+                "status": "compiling", "estimate": 0.0})
+    if require_cached:
+        raise CompileFailed([GraphResult(GraphJob(name, name, 0, 0, sm.key, None), "failed",
+                                         error="not in the compile cache (--require-cached)")])
+    staged = cache.staging_dir()
+    try:
+        info = backend.compile_model(sm.graphs, tp, staged)
+    except UserError:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    except Exception as e:  # one failure for the model's builder, with its log, as for any graph
+        shutil.rmtree(staged, ignore_errors=True)
+        import traceback
+
+        error = f"{type(e).__name__}: {e}"
+        log = cache.record_failure(sm.key, {"graph": name, "backend": backend.NAME, "error": error},
+                                   traceback.format_exc())
+        raise CompileFailed([GraphResult(GraphJob(f"{name} (ModelBuilder)", name, 0, 0, sm.key, None), "failed",
+                                         error=error, log=log)]) from e
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    entry = cache.put(sm.key, staged, {"backend": backend.NAME, "graph": name, "role": name, "bucket": 0, "tokens": 0,
+                                       "compile_seconds": round(time.perf_counter() - t_model, 3), "info": info})
+    return entry, "compiled"
 
 
 def toolchain(backend) -> dict[str, str]:

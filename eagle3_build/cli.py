@@ -10,7 +10,8 @@
   make-tiny-pair              a random tiny pair and its recipe (tests, CI)
   fetch-demo-target           the demo target, converted once (demo.py)
 
-Bad input ends in one line and exit 2; `--debug` (or EAGLE3_DEBUG=1) adds the chained traceback.
+Bad input, and a file system that refuses a write (disk full, a name too long, read-only), end in one line
+and exit 2; `--debug` (or EAGLE3_DEBUG=1) adds the chained traceback.
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from eagle3_runtime.errors import DEBUG_ENV, enable_debug, print_cause
 
 from .errors import UserError
+from .files import os_error_line
 from .recipe import RecipeError, load_recipe, select_pair
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -39,9 +42,13 @@ out_console = Console()
 
 def fail(msg: str, code: int = 2):
     """One line (and, with --debug / EAGLE3_DEBUG=1, the exception being handled with its causes first)."""
-    print_cause()
-    console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    _report(msg)
     raise typer.Exit(code)
+
+
+def _report(msg: str) -> None:
+    print_cause()
+    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)  # (a path may hold [..])
 
 
 @app.callback()
@@ -108,13 +115,13 @@ def compile_cmd(
     from .progress import JsonReporter, RichReporter, emit
 
     cache = CompileCache(cache_dir)
-    if shard_ix is None:  # a destination the build may not replace is refused before any work
-        for p in pairs:
-            try:
-                check_out(out or artifacts / p.name, p,
-                          keep=[("the recipe", recipe), ("the compile cache", cache.root)])
-            except UserError as e:
-                fail(str(e))
+    dests = [] if shard_ix is not None else [out or artifacts / p.name for p in pairs]
+    for p, dest in zip(pairs, dests):  # a destination the build may not replace is refused before any work
+        try:
+            check_out(dest, p, keep=[("the recipe", recipe), ("the compile cache", cache.root)])
+        except UserError as e:
+            fail(str(e))
+    _open_cache(cache, [("the recipe", recipe), *(("the bundle directory", d) for d in dests)])
     failed_any = False
     with _StopOnSigterm():
         for p in pairs:
@@ -200,14 +207,25 @@ def _verify_built(p, dest: Path, as_json: bool) -> bool:
     return ok
 
 
+MAX_SHARDS = 1024  # builders sharing one build (a recipe has far fewer graphs)
+
+
 def _parse_shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
         i = n = 0
-    if not (n >= 1 and 1 <= i <= n):
-        fail(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. --shard 2/3")
+    if not (1 <= n <= MAX_SHARDS and 1 <= i <= n):
+        fail(f"--shard {text!r}: expected I/N with 1 <= I <= N <= {MAX_SHARDS}, e.g. --shard 2/3")
     return i, n
+
+
+def _open_cache(cache, keep):
+    """The compile cache, checked and ready to be written (one line, exit 2, when it may not be used)."""
+    try:
+        return cache.open(keep)
+    except UserError as e:
+        fail(str(e))
 
 
 def _compile_shard(p, shard_ix, reporter, cache, jobs, as_json) -> bool:
@@ -271,7 +289,10 @@ CacheDir = typer.Option(None, "--cache-dir", envvar="EAGLE3_BUILD_CACHE", help="
 def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(False, "--json")):
     """List cached graphs (and the last failure of keys that failed)."""
     c = _cache(cache_dir)
-    entries = c.entries()
+    try:
+        entries = c.entries() if c.existing() else []
+    except UserError as e:
+        fail(str(e))
     rows = [{"key": e.key, "graph": e.meta.get("graph"), "backend": e.meta.get("backend"),
              "compile_seconds": e.compile_seconds, "bytes": e.size,
              "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(c.last_used(e)))} for e in entries]
@@ -299,8 +320,11 @@ def cache_prune(cache_dir: Optional[Path] = CacheDir,
     """Drop entries unused for --older-than days and/or the least recently used beyond --max-size GB."""
     if older_than is None and max_size is None:
         fail("cache prune needs --older-than DAYS and/or --max-size GB")
-    removed = _cache(cache_dir).prune(older_than_days=older_than,
-                                      max_bytes=None if max_size is None else int(max_size * 1e9))
+    try:
+        removed = _cache(cache_dir).prune(older_than_days=older_than,
+                                          max_bytes=None if max_size is None else int(max_size * 1e9))
+    except UserError as e:
+        fail(str(e))
     console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
                   f"({sum(e.size for e in removed) / 1e6:.1f} MB)")
 
@@ -308,7 +332,10 @@ def cache_prune(cache_dir: Optional[Path] = CacheDir,
 @cache_app.command("clear")
 def cache_clear(cache_dir: Optional[Path] = CacheDir):
     """Remove every cached graph and failure record."""
-    n = _cache(cache_dir).clear()
+    try:
+        n = _cache(cache_dir).clear()
+    except UserError as e:
+        fail(str(e))
     console.print(f"removed {n} cached graph(s)")
 
 
@@ -329,7 +356,7 @@ def plan_cmd(
     from .compile.cache import CompileCache
     from .plan import plan_pair
 
-    cache = CompileCache(cache_dir)
+    cache = _open_cache(CompileCache(cache_dir), [("the recipe", recipe)])
     result = []
     for p in _with_backend(_pairs(recipe, pair), backend):
         try:
@@ -637,6 +664,9 @@ def main() -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)
+    except OSError as e:  # the file system refused (disk full, a name too long, read-only, ...): the path and fix
+        _report(os_error_line(e))
+        sys.exit(2)
 
 
 if __name__ == "__main__":

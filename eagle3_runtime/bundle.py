@@ -15,9 +15,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .compat import backend_checks
-from .manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, PackedWeight, torch_dtype
+from .errors import Eagle3Error
+from .manifest import DTYPE_NAMES, KV_POS_DIM, KV_ROW_DIM, kv_state_name, BundleError, GraphEntry, Manifest, PackedWeight, torch_dtype
 from .packing import pack_weight
-from .reader import bundle_file, read_manifest, verify_files
+from .reader import bundle_file, check_contents, read_manifest, verify_files
 from .trust import Pins
 
 GraphFn = Callable[..., tuple]
@@ -134,6 +135,8 @@ DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifes
 class Bundle:
     """A validated bundle with its graphs loaded and weights bound (one rank)."""
 
+    text: tuple | None = None  # (BundleTokenizer, ChatTemplate | None) when opened to serve (tp.open_bundle)
+
     def __init__(self, root: str | Path, *, rank: int = 0, verify: bool = True, pins: Pins = Pins()):
         self.root = Path(root)
         if not self.root.is_dir():
@@ -144,20 +147,30 @@ class Bundle:
         spmd = m.backend == "neuron"  # one process holds every rank
         if verify:
             verify_files(self.root, m, None if spmd else rank)
+        else:  # (a remote bundle: every file's sha256 was verified when it was fetched)
+            check_contents(self.root, m, None if spmd else rank)
         if m.backend not in SERVABLE:
             raise BundleError(f"{self.root}: backend {m.backend!r} cannot be served by this runtime "
                               f"(available: {', '.join(SERVABLE)})")
+        self.rank = rank
+        try:
+            self._load(m, rank, spmd)
+        except Eagle3Error:
+            raise
+        except Exception as e:  # whatever a loader raises on a file it cannot take: one line, the cause kept
+            raise BundleError(f"{self.root}: cannot load this bundle ({type(e).__name__}: {e}); rebuild it with "
+                              "this runtime's eagle3-build") from e
+
+    def _load(self, m: Manifest, rank: int, spmd: bool) -> None:
         if m.backend == "aoti":
             check_aoti_host(m)
-        if m.backend == "neuron":
+        if spmd:
             from .neuron import NeuronHostError, check_host
 
             try:
                 check_host(m)
             except NeuronHostError as e:
                 raise BundleError(f"{self.root}: {e}") from e
-        self.rank = rank
-        if spmd:
             self._load_neuron(m)
             return
         self.weights: dict[str, torch.Tensor] = {}
@@ -174,13 +187,26 @@ class Bundle:
         loader = LOADERS[m.backend]
         self.graphs: dict[tuple[str, int], Graph] = {}
         for g in m.graphs:
-            missing = [w for w in g.weights if w not in self.weights]
-            if missing:
-                raise BundleError(f"{self.root}: graph {g.name} needs weights {missing[:3]} that no weight file "
-                                  "holds; the bundle is inconsistent — rebuild it")
             weights = tuple(self.weights[w] for w in g.weights) + tuple(self._packed(p) for p in g.packed)
             self.graphs[(g.role, g.bucket)] = Graph(g, loader(bundle_file(self.root, g.file.path), g, weights), weights,
                                                     self.state[g.state], torch.tensor([rank], dtype=torch.int64))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Call every graph once on zeros (what NxDI and vLLM do before serving): a graph that cannot run
+        here fails now, as one BundleError naming it, instead of in the middle of a request; the first,
+        slow call of each bucket is paid before the first request. The KV caches' contents do not matter
+        (a row's positions are written before they are read)."""
+        for g in self.manifest.graphs:
+            inputs = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}
+            try:
+                call_by_name(self.graph(g.role, g.bucket), inputs)
+            except Eagle3Error:
+                raise
+            except Exception as e:
+                raise BundleError(f"{self.root}: graph {g.name} fails on its first call ({type(e).__name__}: "
+                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); the bundle "
+                                  "does not run on this host — rebuild it") from e
 
     def _packed(self, p: PackedWeight) -> torch.Tensor:
         """A packed copy made once per (weight, rows, format) and shared by every graph that takes it."""
@@ -207,7 +233,7 @@ class Bundle:
                 model.move_row(src, dst)
             return
         for kv in self.state.values():
-            kv[:, :, dst].copy_(kv[:, :, src])
+            kv.select(KV_ROW_DIM, dst).copy_(kv.select(KV_ROW_DIM, src))
 
     def compact_kv(self, row: int, src: list[int], dst: list[int]) -> None:
         """Move the target KV of an accepted tree path into place: slots `src` -> `dst` of one row
@@ -215,8 +241,9 @@ class Bundle:
         if getattr(self, "nxd", None):  # the target's kv_compact key, on the device (runtime/neuron.py)
             self.nxd["target"].compact(row, src, dst)
             return
-        kv = self.state["target_kv"]
-        kv[:, :, row, :, dst] = kv[:, :, row, :, src]
+        kv = self.state[kv_state_name("target")].select(KV_ROW_DIM, row)  # (positions: one dim down)
+        pos = KV_POS_DIM - 1
+        kv.index_copy_(pos, torch.tensor(dst), kv.index_select(pos, torch.tensor(src)))
 
     def graph(self, role: str, bucket: int) -> Graph:
         try:

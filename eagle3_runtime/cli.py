@@ -2,31 +2,27 @@
 from a bundle, printed with its speed and acceptance (torchrun --nproc-per-node N -m eagle3_runtime.cli for TP)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from .bundle import BundleError
-from .engine import Engine, RequestError
-from .errors import Eagle3Error, enable_debug, print_cause
+from .engine import Engine, describe_error
+from .errors import ArgumentParser, Eagle3Error, enable_debug, print_cause
 from .tokenizer import BundleTokenizer
 from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
 
 
-def _prompt_ids(root, tok: BundleTokenizer, prompt: str, chat: bool) -> list[int]:
+def _prompt_ids(tok: BundleTokenizer, template, prompt: str, chat: bool) -> list[int]:
     if not chat:
         return tok.encode(prompt)
-    from .chat import ChatTemplate
-
-    template = ChatTemplate.from_bundle(root)
     if template is None:
         raise BundleError("--chat: this bundle's tokenizer has no chat template; drop --chat")
     return tok.encode(template.render([{"role": "user", "content": prompt}]), add_special_tokens=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagle3-run", description="Generate from an eagle3-build bundle.")
+    ap = ArgumentParser(prog="eagle3-run", description="Generate from an eagle3-build bundle.")
     ap.add_argument("bundle", help="bundle directory (artifacts/<pair name>) or hf://org/repo@rev, file:///dir@rev")
     ap.add_argument("--prompt", required=True, help="prompt text (tokenized as the target's tokenizer does)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -45,28 +41,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.debug:
         enable_debug()
-    try:
-        set_threads(args.threads)
-    except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     ctx = None
     try:
+        set_threads(args.threads)
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
         if bundle is None:  # a TP worker rank: the driver has finished
             return 0
-        tok = BundleTokenizer(bundle.root)
+        tok, template = bundle.text
         engine = Engine(bundle, detokenize=tok.decode)
         try:
-            prompt_ids = _prompt_ids(bundle.root, tok, args.prompt, args.chat)
+            prompt_ids = _prompt_ids(tok, template, args.prompt, args.chat)
             gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
         finally:
+            if template is not None:
+                template.close()
             if ctx is not None:
                 stop_workers(ctx)
-    except (BundleError, RequestError) as e:
+    except Eagle3Error as e:  # the bundle, the prompt, the chat template: one line naming the fix
         print_cause(e)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 (a failure of ours: one line, the traceback with --debug)
+        print_cause(e)
+        print(f"error: generation failed ({describe_error(e)}); --debug prints the traceback", file=sys.stderr)
+        return 1
     finally:
         shutdown(ctx)
     text = gen.text

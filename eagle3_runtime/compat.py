@@ -16,6 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .errors import Eagle3Error
 from .manifest import MANIFEST, SCHEMA_VERSION, BundleError, Manifest, SchemaError
 from .trust import Pins
 
@@ -55,7 +56,8 @@ class Verdict:
 def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, backend_env: bool = True,
                  environ: dict | None = None, pins: Pins = Pins()) -> Verdict:
     """The runtime's own validation (reader.py: manifest as data, digest, pins; with `files` every
-    file's sha256 and the export graphs' contents), then the host checks."""
+    file's sha256, what each graph and weight file says it holds, the tokenizer and chat template), then
+    the host checks."""
     from .reader import read_manifest, verify_files
 
     environ = os.environ if environ is None else environ
@@ -73,16 +75,34 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
     if files:
         try:
             verify_files(Path(root), m)
-            v.checks.append(Check("files", True, f"{len(m.all_files())} files match their sha256"))
+            v.checks.append(Check("files", True, f"{len(m.all_files())} files match their sha256 and say what "
+                                                 "the manifest says"))
         except BundleError as e:
             v.checks.append(Check("files", False, str(e), BAD_BUNDLE))
             return v
+        v.checks.append(text_check(Path(root)))
     if backend_env:
         v.checks += backend_checks(m, environ)
     if m.backend == "neuron":
         v.checks.append(neuron_call_check(m, Path(root)))
     v.checks.append(parallel_check(m, ranks, environ))
     return v
+
+
+def text_check(root: Path) -> Check:
+    """The tokenizer loads and the chat template renders its probe within bounds (what the runtime's
+    start-up does: tokenizer.load_text)."""
+    from .tokenizer import load_text
+
+    try:
+        _, template = load_text(root)
+    except BundleError as e:
+        return Check("tokenizer", False, str(e), BAD_BUNDLE)
+    if template is None:
+        return Check("tokenizer", True, "tokenizer loads; no chat template")
+    template.close()
+    return Check("tokenizer", True, "tokenizer loads; the chat template renders a probe conversation within its "
+                                    "limits")
 
 
 def neuron_call_check(m: Manifest, root: Path) -> Check:
@@ -139,10 +159,28 @@ def backend_checks(m: Manifest, environ: dict) -> list[Check]:
                                     "(export, aoti, neuron)", BACKEND)]
 
 
+def world_size(environ) -> int | None:
+    """$WORLD_SIZE as torchrun sets it (None when unset); anything but a positive integer is an Eagle3Error."""
+    raw = environ.get("WORLD_SIZE")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1 << 20:
+        raise Eagle3Error(f"WORLD_SIZE={raw[:40]!r} is not a number of processes; unset it, or start the runtime "
+                          "with torchrun, which sets it")
+    return n
+
+
 def parallel_check(m: Manifest, ranks: int | None, environ: dict) -> Check:
     tp = m.tp_degree
-    if ranks is None and environ.get("WORLD_SIZE"):
-        ranks = int(environ["WORLD_SIZE"])
+    if ranks is None:
+        try:
+            ranks = world_size(environ)
+        except Eagle3Error as e:
+            return Check("parallel", False, str(e), BAD_BUNDLE)
     if ranks is not None and ranks != tp:
         run = "as a single process" if tp == 1 else f"with torchrun --nproc-per-node {tp}"
         return Check("parallel", False, f"bundle built for tp_degree {tp}, the deployment has {ranks} rank(s); "

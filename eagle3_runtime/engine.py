@@ -17,11 +17,17 @@ the speculation shape of the batch bucket it runs (manifest.SpecShape: a chain, 
   rows past the speculation cutoff (manifest.can_speculate) take only the verify's first token (one
   token per step; their verify writes land in the KV scratch positions of manifest.kv_cache_length);
   when no row can speculate, the plain target_decode graph runs instead.
+
+An exception in a step (run_forever) fails the requests of that step (every active row, and the one
+being admitted) with an "error" event naming it, frees their rows and goes on; after
+MAX_CONSECUTIVE_FAILURES failed steps in a row, or an error marked fatal, the engine stops: waiting
+requests fail, submit() raises EngineDead and `on_dead` is called (the server then exits non-zero).
 """
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +54,27 @@ class RequestError(Eagle3Error, ValueError):
 
 class QueueFull(RuntimeError):
     pass
+
+
+class EngineDead(Eagle3Error, RuntimeError):
+    """The engine stopped after an error it cannot recover from; nothing more can be served."""
+
+
+MAX_CONSECUTIVE_FAILURES = 3  # failed steps in a row (no step succeeding in between) before the engine stops
+log = logging.getLogger("eagle3_runtime.engine")
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Errors after which no later step can be trusted: out of memory, or one marked `fatal` (a TP rank
+    left mid-call: the ranks are out of step)."""
+    return isinstance(e, MemoryError) or bool(getattr(e, "fatal", False))
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming an exception: its type and the first line of its message, at most 300 characters."""
+    text = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 @dataclass
@@ -125,7 +152,8 @@ class Event:
 
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with finish_reason "error": what failed (one line)
 
 
 @dataclass
@@ -208,7 +236,8 @@ def check_request(n_prompt: int, max_tokens: int, largest_prefill: int, max_mode
 
 class Engine:
     def __init__(self, bundle: Bundle, *, detokenize: Callable[[list[int]], str] | None = None,
-                 speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None):
+                 speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None,
+                 on_dead: Callable[[str], None] | None = None):
         self.bundle = bundle
         m = bundle.manifest
         self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
@@ -227,6 +256,10 @@ class Engine:
         self.target_passes = 0
         self._cv = threading.Condition()
         self._stop = False
+        self._admitting: Request | None = None  # popped from the queue, not yet an active row
+        self.failures = 0  # failed steps since the last good one
+        self.dead: str | None = None  # why the engine stopped, once it has
+        self.on_dead = on_dead
 
     # ------------------------------------------------------------------ admission
 
@@ -238,6 +271,8 @@ class Engine:
         self.check_request(len(req.prompt_ids), req.max_tokens)
         req.sampling.validate()
         with self._cv:
+            if self.dead is not None:
+                raise EngineDead(f"the engine stopped after an error ({self.dead}); restart the server")
             if len(self.waiting) + len(self.active) >= self.max_num_seqs + self.max_queue:
                 raise QueueFull(f"all {self.max_num_seqs} sequence slots are busy and {len(self.waiting)} "
                                 f"requests are waiting (max queue {self.max_queue})")
@@ -256,11 +291,12 @@ class Engine:
         req = None
         with self._cv:
             if self.waiting and len(self.active) < self.max_num_seqs:
-                req = self.waiting.popleft()
+                req = self._admitting = self.waiting.popleft()
                 self.metrics.queue_depth.set(len(self.waiting))
         if req is not None:
             t0 = time.perf_counter()
             self._prefill(req)
+            self._admitting = None
             self.metrics.step_latency.labels("prefill").observe(time.perf_counter() - t0)
             self._free_finished()
         if self.active:
@@ -271,14 +307,60 @@ class Engine:
         self.metrics.running.set(len(self.active))
 
     def run_forever(self) -> None:
-        """Background loop (one thread): steps while there is work, sleeps otherwise."""
+        """Background loop (one thread): steps while there is work, sleeps otherwise; survives a failed
+        step (see the module docstring) until the engine is stopped or dead."""
         while True:
             with self._cv:
                 while not self.has_work() and not self._stop:
                     self._cv.wait()
                 if self._stop:
                     return
-            self.step()
+            try:
+                self.step()
+                self.failures = 0
+            except Exception as e:  # noqa: BLE001 (any error: the requests of this step get it, the loop goes on)
+                self._step_failed(e)
+                if self.dead is not None:
+                    return
+
+    def _step_failed(self, e: Exception) -> None:
+        """Fail the step's requests with the error, free every row; stop for good if the error is fatal
+        or keeps coming."""
+        msg = describe_error(e)
+        log.error("engine step failed; its requests get the error: %s", msg, exc_info=e)
+        self.failures += 1
+        failed = [s.req for s in self.active if s.finish_reason is None]
+        if self._admitting is not None and all(r is not self._admitting for r in failed):
+            failed.append(self._admitting)
+        self.active.clear()  # (every row's cache contents are rewritten by its next prefill)
+        self._admitting = None
+        self.metrics.running.set(0)
+        fatal = is_fatal(e) or self.failures >= MAX_CONSECUTIVE_FAILURES
+        with self._cv:
+            if fatal:
+                self.dead = msg if is_fatal(e) else f"{self.failures} steps failed in a row, the last with {msg}"
+                failed += list(self.waiting)
+                self.waiting.clear()
+                self.metrics.queue_depth.set(0)
+        for req in failed:
+            self.metrics.finished("error")
+            if req.on_event:
+                req.on_event(Event([], "", "error", error=msg))
+        if fatal:
+            log.error("engine stopped: %s", self.dead)
+            if self.on_dead:
+                self.on_dead(self.dead)
+
+    def abort_all(self) -> None:
+        """End every request: waiting ones at once, active ones at the next step (their rows freed)."""
+        with self._cv:
+            for req in self.waiting:
+                if req.on_event:
+                    req.on_event(Event([], "", "abort"))
+            self.waiting.clear()
+            for s in list(self.active):
+                s.req.cancel()
+            self._cv.notify_all()
 
     def shutdown(self) -> None:
         with self._cv:

@@ -5,6 +5,7 @@ is kept (`raise ... from e`): `--debug` (or EAGLE3_DEBUG=1) prints the chained t
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
@@ -31,3 +32,10 @@ def print_cause(exc: BaseException | None = None, file=None) -> None:
     exc = exc or sys.exc_info()[1]
     if exc is not None:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=file or sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit 2, like every other refusal."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

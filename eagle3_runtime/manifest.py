@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 4  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
-# 4: weights packed at load (GraphEntry.packed)
+SCHEMA_VERSION = 5  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
+# 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature)
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
@@ -70,12 +70,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _at_most(n: int):
+    """A size cap checked on the raw value, before pydantic validates any element (its own max_length
+    counts after validating them all)."""
+    def check(v):
+        if isinstance(v, (list, dict, str)) and len(v) > n:
+            raise ValueError(f"has {len(v)} items, at most {n} are allowed")
+        return v
+    return BeforeValidator(check)
+
+
+def Capped(tp, n: int):
+    return Annotated[tp, _at_most(n)]
+
+
 class SpecShape(_Strict):
     depth: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # draft tokens on the longest path; 0 = no speculation
     topk: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # children per expanded node
     width: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # nodes expanded per draft step
     num_nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # nodes per verify pass, the root included
-    choices: list[list[Annotated[int, Field(ge=0, le=MAX_NODES)]]] | None = None  # static tree: paths of ranks
+    choices: Capped(list[Capped(list[Annotated[int, Field(ge=0, le=MAX_NODES)]], MAX_DEPTH)],
+                    MAX_NODES - 1) | None = None  # static tree: paths of ranks
 
     @model_validator(mode="after")
     def _valid(self) -> "SpecShape":
@@ -138,21 +153,21 @@ def dynamic_tree(depth: int, topk: int, num_nodes: int) -> SpecShape:
 def static_tree(choices: list[list[int]]) -> SpecShape:
     """The shape of a static tree given as TensorRT-LLM's eagle_choices: each path of child ranks names
     one node; the set must be prefix-closed. Raises ValueError naming the first bad path."""
+    if len(choices) > MAX_NODES - 1 or any(len(c) > MAX_DEPTH for c in choices):
+        raise ValueError(f"choices: at most depth {MAX_DEPTH} and {MAX_NODES - 1} paths")
     paths = [tuple(c) for c in choices]
     if not paths:
         raise ValueError("choices is empty: give paths such as [[0], [1], [0, 0]]")
-    seen = set()
+    every, seen = set(paths), set()
     for c in paths:
         if not c:
             raise ValueError("choices: an empty path [] (the root is implied)")
         if c in seen:
             raise ValueError(f"choices: {list(c)} appears twice")
-        if len(c) > 1 and c[:-1] not in set(paths):
+        if len(c) > 1 and c[:-1] not in every:
             raise ValueError(f"choices: {list(c)} has no parent {list(c[:-1])} (the paths must be prefix-closed)")
         seen.add(c)
     depth = max(len(c) for c in paths)
-    if depth > MAX_DEPTH or len(paths) + 1 > MAX_NODES:
-        raise ValueError(f"choices: at most depth {MAX_DEPTH} and {MAX_NODES - 1} paths")
     parents = {c[:-1] for c in paths if len(c) > 1}
     width = max([sum(len(p) == m for p in parents) for m in range(1, depth)] or [1])
     return SpecShape.model_construct(depth=depth, topk=max(c[-1] for c in paths) + 1, width=width,
@@ -349,7 +364,7 @@ class SchemaError(BundleError):
 
 class TensorSpec(_Strict):
     name: str
-    shape: list[Dim] = Field(max_length=16)
+    shape: Capped(list[Dim], 16)
     dtype: Literal[DTYPE_NAMES]  # type: ignore[valid-type]
     pad: str | None = None  # weights: how the tensor was padded (see eagle3_build.sharding)
     shard: str | None = None  # weights: replicate | column | row | kv | vocab
@@ -360,7 +375,7 @@ class TensorSpec(_Strict):
 
 
 class FileEntry(_Strict):
-    path: str  # relative to the bundle root, POSIX separators
+    path: Capped(str, 4096)  # relative to the bundle root, POSIX separators
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     size: Annotated[int, Field(ge=0)]
 
@@ -377,19 +392,24 @@ class PackedWeight(_Strict):
     format: Literal["mkl_sgemm"]
 
 
+MAX_WEIGHTS = 1 << 16  # tensors of one model / weights of one graph (a 64-layer MoE has a few thousand)
+MAX_FILES = 1 << 16
+MAX_PORTS = 32
+
+
 class GraphEntry(_Strict):
     name: str
     role: Literal[tuple(ROLE_MODEL)]  # type: ignore[valid-type]
     model: Literal["target", "draft"]
     bucket: Count
     file: FileEntry
-    weights: list[str]  # qualified "<model>/<tensor>" names, in call order
-    packed: list[PackedWeight] = []  # passed after the weights, in this order
+    weights: Capped(list[str], MAX_WEIGHTS)  # qualified "<model>/<tensor>" names, in call order
+    packed: Capped(list[PackedWeight], MAX_WEIGHTS) = []  # passed after the weights, in this order
     state: str  # name of the KV cache tensor the graph mutates
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
+    inputs: Capped(list[TensorSpec], MAX_PORTS)
+    outputs: Capped(list[TensorSpec], MAX_PORTS)
     backend: dict[str, Any] = {}
-    key: str = ""  # compile-cache key (eagle3_build.cache.graph_key)
+    key: str = ""  # compile-cache key (eagle3_build.compile.cache)
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -403,8 +423,14 @@ class ModelEntry(_Strict):
     architecture: str
     config: dict[str, Any]  # the canonical args the graphs were traced with
     layout: dict[str, Any]  # tp degree, padded hidden and the per-rank sizes
-    weight_files: list[FileEntry]  # one per rank
-    tensors: dict[str, TensorSpec]  # what each rank file holds (rank 0 shapes)
+    weight_files: Capped(list[FileEntry], 1 << 12)  # one per rank
+    tensors: Capped(dict[str, TensorSpec], MAX_WEIGHTS)  # what each rank file holds (rank 0 shapes)
+
+    def layout_int(self, key: str) -> int:
+        v = self.layout.get(key)
+        if type(v) is not int or not 1 <= v <= MAX_DIM:
+            raise ValueError(f"models.{self.name}.layout.{key} must be a positive integer, got {v!r}")
+        return v
 
 
 class Manifest(_Strict):
@@ -412,33 +438,34 @@ class Manifest(_Strict):
     name: str
     created_at: str
     backend: str
-    dtype: str
+    dtype: Literal[MODEL_DTYPES]  # type: ignore[valid-type]
     tp_degree: Count
     num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # the deepest shape's depth
-    speculation: dict[Count, SpecShape]  # per batch bucket
+    speculation: Capped(dict[Count, SpecShape], 64)  # per batch bucket
     max_num_seqs: Count
     max_model_len: Count
-    prefill_buckets: list[Count] = Field(min_length=1, max_length=64)
-    batch_buckets: list[Count] = Field(min_length=1, max_length=64)
-    aux_layer_ids: list[int]
+    prefill_buckets: Capped(list[Count], 64) = Field(min_length=1)
+    batch_buckets: Capped(list[Count], 64) = Field(min_length=1)
+    aux_layer_ids: Capped(list[int], 64)
     vocab_size: Count
-    eos_token_ids: list[int]
+    eos_token_ids: Capped(list[int], 1024)
     bos_token_id: int | None
     draft_format: str
     recipe: dict[str, Any]
     sources: dict[str, Any]
     toolchain: dict[str, str]
-    models: dict[str, ModelEntry]
-    state: list[TensorSpec]  # KV caches the runtime allocates (zeros)
-    graphs: list[GraphEntry]
-    files: list[FileEntry]  # tokenizer, configs, everything else
-    notes: list[str] = []
+    models: Capped(dict[str, ModelEntry], 2)
+    state: Capped(list[TensorSpec], 16)  # KV caches the runtime allocates (zeros)
+    graphs: Capped(list[GraphEntry], 1024)
+    files: Capped(list[FileEntry], MAX_FILES)  # tokenizer, configs, everything else
+    notes: Capped(list[str], 1024) = []
     build: dict[str, Any] = {}  # timings, cache hits, host: excluded from the digest
     digest: str = ""  # sha256 over everything above except created_at and build
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
-        """What the runtime relies on, checked as data before anything is allocated or loaded."""
+        """What the runtime relies on, checked as data before anything is allocated or loaded; every
+        check is linear in the manifest's size."""
         K = self.num_speculative_tokens
         if self.max_model_len < min_max_model_len(K):
             raise ValueError(f"max_model_len {self.max_model_len} must exceed num_speculative_tokens + 1 ({K + 1})")
@@ -451,6 +478,9 @@ class Manifest(_Strict):
                              f"has {sorted(self.speculation)}")
         if K != max(s.depth for s in self.speculation.values()):
             raise ValueError(f"num_speculative_tokens {K} is not the deepest speculation shape's depth")
+        if self.max_num_seqs < self.batch_buckets[-1]:
+            raise ValueError(f"max_num_seqs {self.max_num_seqs} is below the largest batch bucket "
+                             f"{self.batch_buckets[-1]}")
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids {self.eos_token_ids} must lie in [0, vocab_size {self.vocab_size})")
         if set(self.models) != {"target", "draft"}:
@@ -459,27 +489,25 @@ class Manifest(_Strict):
             if m.name != name or len(m.weight_files) != self.tp_degree:
                 raise ValueError(f"models.{name}: needs name {name!r} and one weight file per rank "
                                  f"({self.tp_degree}), has {len(m.weight_files)}")
-        states = {s.name for s in self.state}
-        have = [(g.role, g.bucket) for g in self.graphs]
-        if len(set(have)) != len(have):
+        have = {(g.role, g.bucket) for g in self.graphs}
+        if len(have) != len(self.graphs):
             raise ValueError("graphs: more than one graph for the same role and bucket")
         need = plan_roles(self.prefill_buckets, self.speculation)
-        missing = [f"{r}/{b}" for r, b in need if (r, b) not in set(have)]
+        missing = [f"{r}/{b}" for r, b in need if (r, b) not in have]
         if missing:
             raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shape's roles)")
+        states = _check_states(self)
+        weights: dict[str, list[str]] = {}
         for g in self.graphs:
-            if g.model != ROLE_MODEL[g.role] or g.state not in states:
-                raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role")
-            if not g.inputs or g.inputs[0].name != RANK.name:
-                raise ValueError(f"graph {g.name}: the first input must be the rank")
-            _check_speculation_ports(g, graph_shape(g.role, g.bucket, self.speculation))
-            for w in g.weights:
-                model, _, tensor = w.partition("/")
-                if model not in self.models or tensor not in self.models[model].tensors:
-                    raise ValueError(f"graph {g.name}: weight {w!r} is not in any model's tensors")
-            for p in g.packed:
-                if p.weight not in g.weights:
-                    raise ValueError(f"graph {g.name}: packed weight {p.weight!r} is not one of its weights")
+            if g.model != ROLE_MODEL[g.role] or states.get(g.model) != g.state:
+                raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role "
+                                 f"({ROLE_MODEL[g.role]}, state {states.get(ROLE_MODEL[g.role])!r})")
+            fmt = g.backend.get("format")
+            if fmt != GRAPH_FORMATS.get(self.backend, fmt):
+                raise ValueError(f"graph {g.name}: its file is a {fmt!r} graph, a {self.backend} bundle's graphs are "
+                                 f"{GRAPH_FORMATS[self.backend]!r}")
+            _check_ports(self, g)
+            _check_weights(self, g, weights.setdefault(g.model, g.weights))
         if self.digest and not DIGEST_RE.fullmatch(self.digest):
             raise ValueError("digest must be 64 lowercase hex digits (sha256)")
         return self
@@ -493,8 +521,7 @@ class Manifest(_Strict):
     def compute_digest(self) -> str:
         """Same artifact <=> same digest: covers every file's sha256, the graph keys, shapes, recipe,
         sources and toolchain, but not when or how fast it was built."""
-        body = self.model_dump(mode="json", exclude={"created_at", "build", "digest"})
-        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return digest_of(self.model_dump(mode="json"))
 
     def graph(self, role: str, bucket: int) -> GraphEntry:
         for g in self.graphs:
@@ -510,18 +537,105 @@ class Manifest(_Strict):
         return list({f.path: f for f in out}.values())
 
 
-def _check_speculation_ports(g: GraphEntry, shape: SpecShape) -> None:
-    """The graph's ports whose sizes follow from its bucket and speculation shape alone (tokens, positions,
-    masks, top-k) have exactly those sizes: the engine builds its inputs from the shape."""
-    dims = {"n": g.bucket, **shape.dims()}
+def digest_of(raw: dict) -> str:
+    """The bundle digest of a manifest as JSON data (the builder's model dump, or the raw file the
+    runtime reads before validating anything): sha256 of its canonical JSON without created_at, build
+    and the digest itself."""
+    body = {k: v for k, v in raw.items() if k not in ("created_at", "build", "digest")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ manifest facts the runtime relies on
+
+# what each backend's graph files are (GraphEntry.backend["format"])
+GRAPH_FORMATS = {"export": "torch.export", "aoti": "aotinductor", "neuron": "nxd-model"}
+PACKING_BACKENDS = ("aoti",)  # graphs that may take weights packed at load (GraphEntry.packed)
+
+# KV caches: one state tensor per model, [layers, 2 (k, v), rows (max_num_seqs), KV heads per rank,
+# positions (kv_cache_length), head_dim]; a row is a sequence slot, a position a token's KV slot
+KV_DIMS = ("layers", "kv", "rows", "heads", "positions", "head_dim")
+KV_ROW_DIM, KV_POS_DIM = KV_DIMS.index("rows"), KV_DIMS.index("positions")
+
+
+def kv_state_name(model: str) -> str:
+    return f"{model}_kv"
+
+
+def index_dtype(backend: str) -> str:
+    """The dtype of token / position / index inputs: int32 on Neuron (NxDI's), int64 elsewhere."""
+    return "int32" if backend == "neuron" else "int64"
+
+
+def kv_state_shape(model: ModelEntry, max_num_seqs: int, positions: int) -> list[int]:
+    """The KV cache a model's graphs take (KV_DIMS), from its config and per-rank layout."""
+    layers = model.config.get("num_layers", 1)  # (an EAGLE3 draft is one decoder layer)
+    head_dim = model.config.get("head_dim")
+    for what, v in (("config.num_layers", layers), ("config.head_dim", head_dim)):
+        if type(v) is not int or not 1 <= v <= MAX_DIM:
+            raise ValueError(f"models.{model.name}.{what} must be a positive integer, got {v!r}")
+    return [layers, 2, max_num_seqs, model.layout_int("kv_heads_per_rank"), positions, head_dim]
+
+
+def _check_states(m: Manifest) -> dict[str, str]:
+    """One KV cache per model, of the bundle's dtype and the shape its graphs were built for -> {model: name}."""
+    by_name = {s.name: s for s in m.state}
+    names = {model: kv_state_name(model) for model in m.models}
+    positions = kv_cache_length(m.max_model_len, m.scratch())
+    if set(by_name) != set(names.values()) or len(m.state) != len(names):
+        raise ValueError(f"state must be exactly {sorted(names.values())}, got {[s.name for s in m.state]}")
+    for model, name in names.items():
+        s, want = by_name[name], kv_state_shape(m.models[model], m.max_num_seqs, positions)
+        if s.dtype != m.dtype or s.shape != want:
+            raise ValueError(f"state {name}: {s.dtype} {s.shape}, the bundle's graphs take {m.dtype} {want} "
+                             f"({', '.join(KV_DIMS)}: max_num_seqs {m.max_num_seqs} rows, max_model_len "
+                             f"{m.max_model_len} + scratch positions)")
+    return names
+
+
+def _check_ports(m: Manifest, g: GraphEntry) -> None:
+    """Every input and output of a graph, the rank first, as the role table resolves it for its bucket's
+    speculation shape, the padded hidden sizes, the vocab and the bundle's dtypes: the engine builds its
+    inputs from these and reads the outputs by them."""
+    shape = graph_shape(g.role, g.bucket, m.speculation)
     role = ROLES[g.role]
-    have = {s.name: s.shape for s in [*g.inputs, *g.outputs]}
-    for port in (*role.inputs, *role.outputs):
-        if all(isinstance(d, int) or d in dims for d in port.shape):
-            want = [d if isinstance(d, int) else dims[d] for d in port.shape]
-            if have.get(port.name) != want:
-                raise ValueError(f"graph {g.name}: {port.name} has shape {have.get(port.name)}, its bucket's "
-                                 f"speculation shape ({shape.describe()}) needs {want}")
+    hidden = {name: m.models[name].layout_int("padded_hidden") for name in m.models}
+    dims = _dims(g.bucket, shape, hidden["target"], hidden["draft"], m.vocab_size)
+    want = ([(RANK.name, list(RANK.shape), RANK.dtype)]
+            + [_resolve(p, dims, m.dtype, index_dtype(m.backend)) for p in role.inputs],
+            [_resolve(p, dims, m.dtype, "int64") for p in role.outputs])
+    for kind, specs, ports in (("inputs", g.inputs, want[0]), ("outputs", g.outputs, want[1])):
+        have = [(s.name, s.shape, s.dtype) for s in specs]
+        if have != [(n, sh, dt) for n, sh, dt in ports]:
+            bad = next((h, w) for h, w in zip(have + [None] * len(ports), ports + [None] * len(have)) if h != w)
+            raise ValueError(f"graph {g.name}: {kind} {bad[0]} where its role for bucket {g.bucket} "
+                             f"({shape.describe()}) takes {bad[1]} (name, shape, dtype)")
+
+
+def _check_weights(m: Manifest, g: GraphEntry, first: list[str]) -> None:
+    """Weights: the model's tensors, the same list in the same order for every graph of the model (one
+    binding per model), each at most once; packed copies only of 2-D float32 weights, for at most the
+    rows one call of the graph has, on a backend that packs."""
+    if g.weights != first:
+        raise ValueError(f"graph {g.name}: its weights differ from the other {g.model} graphs' (order or names)")
+    if len(set(g.weights)) != len(g.weights):
+        raise ValueError(f"graph {g.name}: a weight is listed twice")
+    specs = {}
+    for w in g.weights:
+        model, _, tensor = w.partition("/")
+        if model not in m.models or tensor not in m.models[model].tensors:
+            raise ValueError(f"graph {g.name}: weight {w!r} is not in any model's tensors")
+        specs[w] = m.models[model].tensors[tensor]
+    if g.packed and m.backend not in PACKING_BACKENDS:
+        raise ValueError(f"graph {g.name}: packed weights on a {m.backend} graph (only {', '.join(PACKING_BACKENDS)} "
+                         "graphs take them)")
+    rows = ROLES[g.role].tokens_per_call(g.bucket, graph_shape(g.role, g.bucket, m.speculation))
+    for p in g.packed:
+        spec = specs.get(p.weight)
+        if spec is None:
+            raise ValueError(f"graph {g.name}: packed weight {p.weight!r} is not one of its weights")
+        if len(spec.shape) != 2 or spec.dtype != "float32" or p.rows > rows:
+            raise ValueError(f"graph {g.name}: packed weight {p.weight!r} ({spec.dtype} {spec.shape}, {p.rows} rows): "
+                             f"packing takes 2-D float32 weights for at most the graph's {rows} token rows")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .errors import Eagle3Error
-from .manifest import MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest
+from .manifest import GRAPH_FORMATS, MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest
 
 SDK = {mod: key for mod, (key, _) in NEURON_SDK.items()}  # import name -> toolchain key
 PIP_NAMES = dict(NEURON_SDK.values())  # toolchain key -> pip name
@@ -38,7 +38,7 @@ PHYSICAL_CORES_PER_DEVICE = {"trn2": 8, "trn1": 2, "inf2": 2}
 DEFAULT_LNC = {"trn2": 2, "trn1": 1, "inf2": 1}
 
 # The call contract of an NxD model, shared with the builder (eagle3_build/backends/neuron.py)
-NXD_FORMAT = "nxd-model"
+NXD_FORMAT = GRAPH_FORMATS["neuron"]
 KV_MOVE = "kv_move"  # the key that moves one KV-cache row: inputs (src_dst int32 [2], placeholders...)
 PLACEHOLDER_DTYPE = torch.int32  # zero-size inputs pad every call to the model's arity (NxDI: torch.empty(0))
 
@@ -122,9 +122,7 @@ def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
                                                f"{'a string' if kind is str else 'an integer'}")
         problem = None
         n_role = sum(x.role == g.role for x in graphs)
-        if b["format"] != NXD_FORMAT:
-            problem = f"backend.format is {b['format']!r}, not {NXD_FORMAT!r}"
-        elif b["key"] != g.role:
+        if b["key"] != g.role:  # (backend.format: checked by the manifest itself, for every backend)
             problem = f"backend.key {b['key']!r} is not the graph's role {g.role!r}"
         elif not 0 <= b["bucket_index"] < n_role:
             problem = f"backend.bucket_index {b['bucket_index']} is outside 0..{n_role - 1} ({g.role} buckets)"

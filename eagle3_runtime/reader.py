@@ -8,12 +8,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .manifest import MANIFEST, SCHEMA_VERSION, BundleError, FileEntry, Manifest, SchemaError, bundle_relpath, sha256_file
+from .manifest import (MANIFEST, SAFETENSORS_CODES, SCHEMA_VERSION, BundleError, FileEntry, Manifest, SchemaError,
+                       TensorSpec, bundle_relpath, digest_of, sha256_file)
 from .trust import Pins, check_pins
 
-
-
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 16 << 20  # a seed system's manifest is well under 1 MiB
 
 
 def allowed_roots(root: Path) -> list[Path]:
@@ -40,7 +39,8 @@ def bundle_file(root: Path, rel: str) -> Path:
 
 
 def read_manifest(root: Path, pins: Pins = Pins()) -> Manifest:
-    """The manifest, validated as data, its digest checked, and the user's pins (digest, signature) checked."""
+    """The manifest: its digest checked on the JSON as read, then the user's pins (digest, signature),
+    then validated as data (every size capped before any per-element work)."""
     root = Path(root)
     path = bundle_file(root, MANIFEST)
     if not path.is_file():
@@ -52,11 +52,21 @@ def read_manifest(root: Path, pins: Pins = Pins()) -> Manifest:
         raw = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as e:
         raise BundleError(f"{path}: not valid JSON ({type(e).__name__}); the bundle is corrupt, rebuild it") from e
-    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise BundleError(f"{path}: not a manifest (a JSON object); the bundle is corrupt, rebuild it")
+    version = raw.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{path}: manifest schema version {version!r}, this runtime reads version "
                           f"{SCHEMA_VERSION}; rebuild the bundle with a matching eagle3-build or use a "
                           "matching runtime")
+    digest = raw.get("digest")
+    if not digest or not isinstance(digest, str):
+        raise BundleError(f"{path}: the manifest has no digest; every bundle eagle3-build writes has one — "
+                          "rebuild it")
+    if digest_of(raw) != digest:
+        raise BundleError(f"{root}: {MANIFEST} was modified after the build (its content no longer matches the "
+                          f"bundle digest {digest[:12]}…); rebuild or re-download the bundle")
+    check_pins(root, digest, pins)
     try:
         m = Manifest.model_validate(raw)
     except ValidationError as e:
@@ -64,13 +74,6 @@ def read_manifest(root: Path, pins: Pins = Pins()) -> Manifest:
         loc = ".".join(str(x) for x in first["loc"])
         raise BundleError(f"{path}: invalid manifest{' at ' + loc if loc else ''}: {first['msg']}; "
                           "rebuild the bundle") from e
-    if not m.digest:
-        raise BundleError(f"{path}: the manifest has no digest; every bundle eagle3-build writes has one — "
-                          "rebuild it")
-    if m.compute_digest() != m.digest:
-        raise BundleError(f"{root}: {MANIFEST} was modified after the build (its content no longer matches the "
-                          f"bundle digest {m.digest[:12]}…); rebuild or re-download the bundle")
-    check_pins(root, m.digest, pins)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if m.backend != "neuron" and m.state_bytes() > memory:  # (Neuron: the caches live on the device)
         raise BundleError(f"{path}: the KV caches need {m.state_bytes() / 2**30:.1f} GiB, more than this host's "
@@ -90,13 +93,11 @@ def check_file(root: Path, entry: FileEntry) -> Path:
 
 
 def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
-    """Every file (of one rank's weights only, when `rank` is given) against the manifest; export graphs are
-    also checked to hold nothing but a static operator graph (safe_pt2.py)."""
+    """Every file (of one rank's weights only, when `rank` is given) against the manifest: present, its
+    sha256, export graphs holding nothing but a static operator graph (safe_pt2.py); then check_contents."""
     from .safe_pt2 import UnsafeArchive, check_archive
 
-    others = set()
-    if rank is not None:
-        others = {f.path for m in manifest.models.values() for r, f in enumerate(m.weight_files) if r != rank}
+    others = _other_ranks(manifest, rank)
     graphs = {g.file.path for g in manifest.graphs} if manifest.backend == "export" else set()
     for entry in manifest.all_files():
         if entry.path in others:
@@ -107,3 +108,54 @@ def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> Non
                 check_archive(path.read_bytes(), f"{root}/{entry.path}")
             except UnsafeArchive as e:
                 raise BundleError(f"{e}; refusing to load it") from e
+    check_contents(root, manifest, rank)
+
+
+def _other_ranks(manifest: Manifest, rank: int | None) -> set[str]:
+    if rank is None:
+        return set()
+    return {f.path for m in manifest.models.values() for r, f in enumerate(m.weight_files) if r != rank}
+
+
+def check_contents(root: Path, manifest: Manifest, rank: int | None = None) -> None:
+    """What the files say they are against what the manifest says: every graph file's own signature
+    (signature.py) and every weight file's header, read as data."""
+    from .signature import check_signature, read_signature
+
+    for g in manifest.graphs:
+        path = bundle_file(root, g.file.path)
+        sig = read_signature(path, manifest.backend)
+        if sig is not None:
+            check_signature(manifest, g, sig, path)
+    if manifest.backend == "neuron":  # (NxD's checkpoints: the traced parameter names, checked by neuron.py)
+        return
+    others = _other_ranks(manifest, rank)
+    for name, model in manifest.models.items():
+        for r, f in enumerate(model.weight_files):
+            if f.path not in others:
+                check_weight_header(bundle_file(root, f.path), model.tensors, f"models.{name}.weight_files[{r}]")
+
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def check_weight_header(path: Path, tensors: dict[str, TensorSpec], what: str) -> None:
+    """A rank's safetensors file holds exactly the manifest's tensors, with their shapes and dtypes
+    (read from the header alone: nothing is mapped)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= MAX_HEADER_BYTES:
+                raise ValueError(f"header length {n}")
+            header = json.loads(f.read(n))
+        have = {k: (v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise BundleError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); rebuild the "
+                          "bundle") from e
+    want = {k: (SAFETENSORS_CODES[t.dtype], t.shape) for k, t in tensors.items()}
+    if have != want:
+        bad = sorted(set(have) ^ set(want)) or sorted(k for k in want if have[k] != want[k])
+        k = bad[0]
+        raise BundleError(f"{path}: tensor {k!r} is {have.get(k, 'missing')} in the file, {want.get(k, 'not listed')} "
+                          f"in the manifest ({what}.tensors); the manifest does not describe these weights — "
+                          "rebuild the bundle")

@@ -2,8 +2,8 @@
 
 A remote bundle is fetched into a local cache and every file is checked against the manifest
 (present, sha256, manifest digest) before anything loads; a partial or altered download is refused.
-Both remote kinds go through the same code: a `Remote` has `put(files, message)` (one commit,
-manifest.json last) and `snapshot(rev) -> local directory`.
+Both remote kinds have `snapshot() -> local directory`; pushing is the builder's (eagle3_build/publish.py:
+one commit, manifest.json last, for hf://; a staged tree swapped in whole, for file://).
 
   hf://org/repo@rev   huggingface_hub (its cache, auth and offline mode); rev: branch, tag or commit
   file:///dir@rev     a directory remote: <dir>/<rev>/ holds the tree (rev defaults to "main");
@@ -58,23 +58,6 @@ class FileRemote:
     def __init__(self, location: str, rev: str):
         self.root, self.rev = Path(location), rev
         self.uri = f"file://{location}@{rev}"
-
-    def put(self, files: list[tuple[str, Path]], message: str) -> str:
-        """Write the tree as one unit: staged next to the branch, renamed over it (manifest last)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        stage = self.root / f".{self.rev}.push-{uuid.uuid4().hex[:8]}"
-        for rel, src in files:  # `files` ends with manifest.json
-            dst = stage / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
-        (stage / ".commit_message").write_text(message)
-        final = self.root / self.rev
-        old = self.root / f".{self.rev}.old-{uuid.uuid4().hex[:8]}"
-        if final.exists():
-            os.replace(final, old)
-        os.replace(stage, final)
-        shutil.rmtree(old, ignore_errors=True)
-        return self.rev
 
     def snapshot(self) -> Path:
         src = self.root / self.rev
@@ -151,18 +134,12 @@ def resolve_bundle(ref: str | os.PathLike, pins: Pins = Pins(), trust_remote_cod
 
 
 def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code: bool = False) -> None:
-    """Every file present and matching, the user's pins, and for native-code graphs an explicit pin."""
+    """The manifest and the user's pins; for native-code graphs an explicit pin, before any graph file is
+    read; then every file present and matching."""
     from .reader import bundle_file, read_manifest, verify_files
 
     try:
         m = read_manifest(root, pins)
-        missing = [f.path for f in m.all_files() if not bundle_file(root, f.path).is_file()]
-        if missing:
-            raise RemoteError(f"{uri}: incomplete download, {len(missing)} file(s) missing (first: {missing[0]}); "
-                              "the remote bundle is partial — push it again")
-        verify_files(root, m)
-    except RemoteError:
-        raise
     except BundleError as e:
         raise RemoteError(f"{uri}: the fetched bundle does not verify: {e}") from e
     if m.backend in NATIVE_CODE_BACKENDS and not pins.any and not trust_remote_code:
@@ -170,3 +147,11 @@ def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code
         raise RemoteError(f"{uri}: this bundle's graphs are native code ({m.backend}) and nothing pins it; pass "
                           f"--expect-digest sha256:{m.digest} once you have checked that digest with whoever "
                           f"built it{signed}, or --trust-remote-code")
+    missing = [f.path for f in m.all_files() if not bundle_file(root, f.path).is_file()]
+    if missing:
+        raise RemoteError(f"{uri}: incomplete download, {len(missing)} file(s) missing (first: {missing[0]}); "
+                          "the remote bundle is partial — push it again")
+    try:
+        verify_files(root, m)
+    except BundleError as e:
+        raise RemoteError(f"{uri}: the fetched bundle does not verify: {e}") from e

@@ -11,35 +11,52 @@ sequence, which frees its KV-cache row at the engine's next step.
 Hostile input gets a 4xx with an OpenAI-style error body before it costs much (protocol.py:
 body cap 413, slow body 408, JSON depth / number limits, lone surrogates, strict types, unimplemented
 OpenAI fields); prompts far longer than max_model_len are refused before tokenizing. Parsing and
-tokenizing run on a worker thread, so /health stays responsive. An idle connection, or one that
-dribbles its request head, is closed after --timeout-keep-alive seconds (HeadTimeoutH11).
+tokenizing run on a worker thread, so /health stays responsive. Chat templates render in bounded worker
+processes (chat.py): a template that loops, allocates or refuses is a 400 for that request, a full
+render queue a 503. An idle connection, or one that dribbles its request head, is closed after
+--timeout-keep-alive seconds (HeadTimeoutH11).
+
+Failures: an error inside an engine step fails that step's requests with a 500 naming it (streams end
+with an error event) and the engine goes on; if the engine stops for good (engine.py), new requests and
+/health get 503 and the server exits with status 1. The listening socket is bound before the bundle is
+loaded (a bad --host / --port, or a port in use, is one line and exit 2 at once); SIGTERM or Ctrl-C
+end the server within a few seconds (in-flight requests get GRACE_SECONDS to finish).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
+import errno
 import json
+import logging
+import os
+import socket
 import sys
 import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-import h11
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .bundle import Bundle, BundleError
-from .chat import ChatTemplate
-from .engine import Engine, Event, QueueFull, Request, RequestError
+from .bundle import Bundle
+from .chat import Busy, TemplateRefused
+from .connection import HeadTimeoutH11
+from .engine import Engine, EngineDead, Event, QueueFull, Request, RequestError, describe_error
+from .errors import ArgumentParser, Eagle3Error
 from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, ChatRequest, CommonRequest,
                        CompletionRequest, parse_json, read_body, short_repr, validate)
 from .sampling import SamplingParams
-from .tokenizer import BundleTokenizer
+from .tokenizer import load_text
 from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
+
+GRACE_SECONDS = 2  # on SIGTERM / Ctrl-C: what in-flight requests get before they are cancelled
+log = logging.getLogger("eagle3_runtime.server")
 
 # ---------------------------------------------------------------------------------------- server
 
@@ -47,13 +64,19 @@ class Server:
     def __init__(self, bundle: Bundle, *, speculative: bool = True, max_queue: int = 64,
                  model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = 30.0):
         self.bundle = bundle
-        self.tokenizer = BundleTokenizer(bundle.root)
-        self.chat = ChatTemplate.from_bundle(bundle.root)
-        self.engine = Engine(bundle, detokenize=self.tokenizer.decode, speculative=speculative, max_queue=max_queue)
+        self.tokenizer, self.chat = bundle.text or load_text(bundle.root)
+        self.engine = Engine(bundle, detokenize=self.tokenizer.decode, speculative=speculative, max_queue=max_queue,
+                             on_dead=self._engine_died)
         self.model_name = model_name or bundle.manifest.name
         self.created = int(time.time())
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.thread: threading.Thread | None = None
+        limits = self.chat.limits if self.chat else None
+        self.renders = 0  # chat renders admitted and not finished (event-loop side)
+        self.max_renders = limits.workers + limits.queue if limits else 0
+        self.render_pool = concurrent.futures.ThreadPoolExecutor(max(1, self.max_renders), "eagle3-render")
+        self.uvicorn = None  # the uvicorn.Server, once serving
+        self.exit_code = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -63,22 +86,60 @@ class Server:
 
     def stop(self) -> None:
         self.engine.shutdown()
+        if self.chat:
+            self.chat.close()
+        self.render_pool.shutdown(wait=False, cancel_futures=True)
         if self.thread:
-            self.thread.join(timeout=30)
+            self.thread.join(timeout=1)  # (a step in flight ends soon; the thread is a daemon either way)
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM / Ctrl-C: renders in flight end (400), every request is aborted (its stream ends)."""
+        if self.chat:
+            self.chat.close()
+        self.engine.abort_all()
+
+    def _engine_died(self, reason: str) -> None:
+        """From the engine thread: nothing more can be served, so the server stops with status 1."""
+        self.exit_code = 1
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+
+    @property
+    def healthy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.engine.dead is None
 
     # ------------------------------------------------------------------ request handling
 
-    def prepare(self, body: bytes, kind: type[CommonRequest]) -> tuple[CommonRequest, list[int], SamplingParams]:
-        """Parse, validate and tokenize one request body: the CPU work, run on a worker thread."""
+    def parse(self, body: bytes, kind: type[CommonRequest]) -> tuple[CommonRequest, SamplingParams]:
+        """Parse and validate one request body (CPU work, run on a worker thread)."""
         r = validate(kind, parse_json(body))
-        sampling = self._sampling(r)
         if isinstance(r, ChatRequest):
-            ids = self.chat_ids(r)
+            if self.chat is None:
+                raise APIError(400, "this bundle's tokenizer has no chat template; use /v1/completions",
+                               param="messages")
+            self._check_chars(sum(len(m.content or "") for m in r.messages), "messages")
             if r.max_completion_tokens is not None:
                 r.max_tokens = r.max_completion_tokens
-        else:
-            ids = self.prompt_ids(r)
-        return r, ids, sampling
+        return r, self._sampling(r)
+
+    async def chat_ids(self, r: ChatRequest) -> list[int]:
+        """Render the chat template in a render worker (bounded: chat.py), then tokenize."""
+        if self.renders >= self.max_renders:
+            raise APIError(503, "server busy: every chat template render slot is taken; retry later",
+                           type_="server_error", code="render_busy", headers={"Retry-After": "1"})
+        self.renders += 1
+        try:
+            messages = [m.model_dump(exclude_none=True) for m in r.messages]
+            text = await asyncio.get_running_loop().run_in_executor(self.render_pool, self.chat.render, messages)
+        except Busy as e:
+            raise APIError(503, f"server busy: {e}", type_="server_error", code="render_busy",
+                           headers={"Retry-After": "1"}) from e
+        except TemplateRefused as e:
+            raise APIError(400, str(e), param="messages") from e
+        finally:
+            self.renders -= 1
+        self._check_chars(len(text), "messages")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
     def _sampling(self, r: CommonRequest) -> SamplingParams:
         if r.model is not None and r.model != self.model_name:
@@ -130,17 +191,6 @@ class Server:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(p)
 
-    def chat_ids(self, r: ChatRequest) -> list[int]:
-        if self.chat is None:
-            raise APIError(400, "this bundle's tokenizer has no chat template; use /v1/completions", param="messages")
-        self._check_chars(sum(len(m.content or "") for m in r.messages), "messages")
-        try:
-            text = self.chat.render([m.model_dump(exclude_none=True) for m in r.messages])
-        except Exception as e:  # a template may raise on unsupported roles
-            raise APIError(400, f"chat template error: {e}", param="messages") from e
-        self._check_chars(len(text), "messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
                loop: asyncio.AbstractEventLoop) -> tuple[Request, asyncio.Queue]:
         q: asyncio.Queue = asyncio.Queue()
@@ -153,6 +203,8 @@ class Server:
         except QueueFull as e:
             raise APIError(503, f"server busy: {e}; retry later", type_="server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from e
+        except EngineDead as e:
+            raise APIError(503, str(e), type_="server_error", code="engine_dead") from e
         return req, q
 
 
@@ -178,13 +230,19 @@ async def _events(req: Request, q: asyncio.Queue) -> AsyncIterator[Event]:
             req.cancel()
 
 
-async def _collect(req: Request, q: asyncio.Queue) -> tuple[list[int], str, str | None]:
-    tokens, text, reason = [], "", None
+async def _collect(req: Request, q: asyncio.Queue) -> tuple[list[int], str, Event | None]:
+    tokens, text, last = [], "", None
     async for ev in _events(req, q):
         tokens += ev.token_ids
         text += ev.text
-        reason = ev.finish_reason
-    return tokens, text, reason
+        last = ev
+    return tokens, text, last
+
+
+def engine_error(ev: Event) -> APIError:
+    """The answer to a request whose engine step failed."""
+    return APIError(500, f"the engine failed while serving this request ({ev.error}); the server logged the "
+                         "traceback", type_="server_error", code="engine_error")
 
 
 async def _client_gone(request: HTTPRequest) -> None:
@@ -212,36 +270,14 @@ class _SSE(StreamingResponse):
             self.req.cancel()  # a no-op once the request has finished
 
 
-class HeadTimeoutH11(H11Protocol):
-    """uvicorn's h11 protocol, with its keep-alive timer also bounding the request head: it starts when
-    the connection opens (uvicorn starts it only after a response) and stops once a whole request
-    head has arrived (uvicorn stops it at any byte), so an idle connection, or one that dribbles
-    its headers (slowloris), is closed after --timeout-keep-alive seconds. After an early answer
-    (413) the same timer bounds how long the rest of the body is drained."""
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-    def data_received(self, data: bytes) -> None:
-        self.conn.receive_data(data)  # (without uvicorn's unconditional timer stop)
-        self.handle_events()
-
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a new request's head has arrived: its handler runs untimed
-            self._unset_keepalive_if_required()
-
-    def timeout_keep_alive_handler(self) -> None:
-        try:
-            super().timeout_keep_alive_handler()
-        except h11.LocalProtocolError:  # h11 would not send ConnectionClosed in this state: just close
-            self.transport.close()
-
-
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="eagle3-serve")
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        if server.chat:  # (renders still running end now, not at their time limit)
+            server.chat.close()
+
+    app = FastAPI(title="eagle3-serve", lifespan=lifespan)
     metrics = server.engine.metrics
 
     class CountRequests:
@@ -276,14 +312,22 @@ def create_app(server: Server) -> FastAPI:
     async def http_error(_, e: HTTPException):
         return APIError(e.status_code, str(e.detail), headers=e.headers).response()
 
+    @app.exception_handler(Exception)  # a bug of ours: a 500 naming it (logged with its traceback), never HTML
+    async def internal_error(_, e: Exception):
+        log.error("request failed: %s", describe_error(e), exc_info=e)
+        return APIError(500, f"internal error ({describe_error(e)})", type_="server_error").response()
+
     async def prepare(request: HTTPRequest, kind: type[CommonRequest]):
         body = await read_body(request, server.max_body_bytes, server.body_timeout)
-        return await asyncio.to_thread(server.prepare, body, kind)
+        r, sampling = await asyncio.to_thread(server.parse, body, kind)
+        ids = await (server.chat_ids(r) if isinstance(r, ChatRequest) else asyncio.to_thread(server.prompt_ids, r))
+        return r, ids, sampling
 
     @app.get("/health")
     async def health():
-        alive = server.thread is not None and server.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        ok = server.healthy
+        status = "ok" if ok else f"engine stopped: {server.engine.dead}" if server.engine.dead else "engine stopped"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -327,8 +371,10 @@ def create_app(server: Server) -> FastAPI:
                     result.cancel()
             if not result.done() or result.cancelled():
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-            tokens, text, reason = result.result()
-            choice = {"index": 0, "finish_reason": reason, "token_ids": tokens}
+            tokens, text, last = result.result()
+            if last is not None and last.finish_reason == "error":
+                return engine_error(last).response()
+            choice = {"index": 0, "finish_reason": last.finish_reason if last else None, "token_ids": tokens}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -344,6 +390,10 @@ def create_app(server: Server) -> FastAPI:
                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
             async for ev in _events(req, q):
+                if ev.finish_reason == "error":  # (the status line is sent: the error goes in the stream)
+                    e = engine_error(ev)
+                    yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+                    break
                 n_out += len(ev.token_ids)
                 choice = {"index": 0, "finish_reason": ev.finish_reason, "token_ids": ev.token_ids}
                 if chat:
@@ -362,11 +412,46 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port number from 1 to 65535, got {text!r}")
+    return n
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything slow happens; a bad address or a busy port is one
+    Eagle3Error naming the fix."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise Eagle3Error(f"--host {host!r} is not an address or name this host can listen on "
+                          f"({getattr(e, 'strerror', None) or e}); use e.g. 127.0.0.1 or 0.0.0.0") from e
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        fix = {errno.EADDRINUSE: "another process listens there: stop it or choose another --port",
+               errno.EADDRNOTAVAIL: "that address is not one of this host's: use 127.0.0.1 or 0.0.0.0",
+               errno.EACCES: "ports below 1024 need privileges: choose a port above 1023"}.get(e.errno, "check --host "
+                                                                                                  "and --port")
+        raise Eagle3Error(f"cannot listen on {host}:{port} ({e.strerror}); {fix}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagle3-serve", description="Serve an eagle3-build bundle over HTTP.")
+    ap = ArgumentParser(prog="eagle3-serve", description="Serve an eagle3-build bundle over HTTP.")
     ap.add_argument("bundle", help="bundle directory, or hf://org/repo@rev / file:///dir@rev (fetched and verified)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=_port, default=8000)
     ap.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a free sequence slot before HTTP 503")
     ap.add_argument("--served-model-name", default=None)
@@ -381,39 +466,73 @@ def main(argv: list[str] | None = None) -> int:
     add_threads_arg(ap)
     add_trust_args(ap)
     args = ap.parse_args(argv)
-    from .errors import Eagle3Error, enable_debug, print_cause
+    from .errors import enable_debug, print_cause
 
+    if args.debug:
+        enable_debug()
+    logging.basicConfig(format="%(levelname)s: %(message)s")
+    server = ctx = None
     try:
         set_threads(args.threads)
-    except Eagle3Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        sock = bind(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None  # (rank 0 serves)
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
-    except BundleError as e:
-        if args.debug:
-            enable_debug()
+        if bundle is None:  # a TP worker rank: the driver has finished
+            shutdown(ctx)
+            return 0
+        server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
+                        model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                        body_timeout=args.body_timeout)
+    except Eagle3Error as e:
         print_cause(e)
         print(f"error: {e}", file=sys.stderr)
+        _stop(server, ctx)
         return 2
-    if bundle is None:  # a TP worker rank: the driver has finished
-        shutdown(ctx)
-        return 0
-    server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
-                    model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                    body_timeout=args.body_timeout)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        _stop(server, ctx)
+        return 130
+    try:
+        code = serve(server, sock, args.timeout_keep_alive)
+    finally:
+        _stop(server, ctx)
+    if code:
+        print(f"error: the engine stopped ({server.engine.dead}); the server exited", file=sys.stderr)
+    return code
+
+
+def serve(server: Server, sock: socket.socket, timeout_keep_alive: float = 5.0) -> int:
+    """Serve on a bound socket until SIGTERM / Ctrl-C (0) or the engine's death (1)."""
     import uvicorn
 
+    class Uvicorn(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            server.begin_shutdown()  # in-flight requests end now, so none is left to cancel
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(create_app(server), log_level="warning", http=HeadTimeoutH11,
+                            timeout_keep_alive=timeout_keep_alive, timeout_graceful_shutdown=GRACE_SECONDS)
+    server.uvicorn = Uvicorn(config)
     server.start()
     try:
-        uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning",
-                    http=HeadTimeoutH11, timeout_keep_alive=args.timeout_keep_alive)
+        server.uvicorn.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
         server.stop()
-        if ctx is not None:
+    return server.exit_code
+
+
+def _stop(server: Server | None, ctx) -> None:
+    """Stop the engine and render workers, then the TP workers once the engine thread is done with them
+    (if it is not, the process leaves without them: torchrun ends the other ranks)."""
+    if server is not None:
+        server.stop()
+    if ctx is not None:
+        if server is None or server.thread is None or not server.thread.is_alive():
             stop_workers(ctx)
-        shutdown(ctx)
-    return 0
+            shutdown(ctx)
+        else:
+            shutdown(ctx, barrier=False)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 from .bundle import DTYPES, Bundle, BundleError, Graph
+from .compat import world_size
 from .errors import Eagle3Error
 from .manifest import Manifest
 from .reader import read_manifest
+from .tokenizer import load_text
 
 STOP = -1
 COPY_ROW = -2
@@ -30,13 +32,18 @@ COMPACT = -3  # header [COMPACT, row, n], then int64 [2, n]: source and destinat
 THREADS_ENV = "EAGLE3_NUM_THREADS"
 
 
-def default_threads() -> int:
-    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets), shared evenly
-    among the local ranks when torchrun starts several on this host (LOCAL_WORLD_SIZE); at least 1."""
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # no sched_getaffinity (macOS, Windows)
-        cores = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """available_cores(), shared evenly among the local ranks when torchrun starts several on this host
+    (LOCAL_WORLD_SIZE); at least 1."""
+    cores = available_cores()
     try:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     except ValueError:
@@ -45,7 +52,8 @@ def default_threads() -> int:
 
 
 def num_threads(n: int | None = None) -> int:
-    """torch CPU threads for this process: `n` (--threads), else $EAGLE3_NUM_THREADS, else default_threads().
+    """torch CPU threads for this process: `n` (--threads), else $EAGLE3_NUM_THREADS, else default_threads(),
+    at most available_cores() (more threads than cores only contend; a huge count would exhaust memory).
     OMP_NUM_THREADS is not read: torchrun sets it to 1 for every rank it starts."""
     if n is None:
         raw = os.environ.get(THREADS_ENV, "").strip()
@@ -58,7 +66,7 @@ def num_threads(n: int | None = None) -> int:
         if n < 1:
             raise Eagle3Error(f"{THREADS_ENV}={raw!r} is not a positive whole number of threads; "
                               f"set it to one (e.g. {THREADS_ENV}=2) or unset it for the default")
-    return max(1, n)
+    return max(1, min(n, available_cores()))
 
 
 def set_threads(n: int | None = None) -> int:
@@ -105,7 +113,7 @@ def launch_hint(tp: int) -> str:
 
 def init_tp(manifest: Manifest) -> TPContext | None:
     """None for a TP-1 bundle run as one process; otherwise join the torchrun world (and check it)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size(os.environ) or 1
     tp = manifest.tp_degree
     if manifest.backend == "neuron":  # SPMD: this one process drives every rank (neuron.py)
         if world > 1:
@@ -202,8 +210,10 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
                 trust_remote_code: bool = False) -> tuple[Bundle | None, TPContext | None]:
     """Load this process's rank of a bundle, joining the torchrun world when the bundle is TP.
 
-    Rank 0 gets (bundle, ctx) with its graphs announcing every call to the workers; ranks > 0 run
-    the worker loop here until the driver stops them and get (None, ctx). `ref` may also be a
+    Rank 0 gets (bundle, ctx) with its graphs announcing every call to the workers, every graph run
+    once (Bundle.warm_up), and `bundle.text` = (tokenizer, chat template or None), checked before the
+    graphs are loaded (tokenizer.load_text); ranks > 0 run the worker loop here until the driver stops
+    them and get (None, ctx). `ref` may also be a
     reference (hf://org/repo@rev, file:///dir@rev): fetched and verified first (remote.py);
     `expect_digest` / `public_key` (or a `#sha256=` on the reference) pin it (trust.py)."""
     from .remote import is_remote, resolve_bundle
@@ -211,15 +221,36 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
 
     ref, p = pins(str(ref), expect_digest, public_key)
     path = resolve_bundle(ref, p, trust_remote_code)  # a remote bundle: every file verified here
-    ctx = init_tp(read_manifest(Path(path), p))
+    manifest = read_manifest(Path(path), p)
+    text = load_text(Path(path)) if os.environ.get("RANK", "0") == "0" else None  # (before the slow part)
+    try:
+        ctx = init_tp(manifest)
+    except BaseException:
+        _close_text(text)
+        raise
     try:
         bundle = Bundle(path, rank=ctx.rank if ctx else 0, pins=p, verify=not is_remote(ref))
     except BaseException:
+        _close_text(text)
         shutdown(ctx, barrier=False)
         raise
+    bundle.text = text
     if ctx is not None and not ctx.is_driver:
         worker_loop(bundle, ctx)
         return None, ctx
     if ctx is not None:
         wrap_driver(bundle, ctx)
+    try:
+        bundle.warm_up()  # (under TP through the driver: every rank runs each graph once)
+    except BaseException:
+        _close_text(text)
+        if ctx is not None:
+            stop_workers(ctx)
+            shutdown(ctx, barrier=False)
+        raise
     return bundle, ctx
+
+
+def _close_text(text) -> None:
+    if text is not None and text[1] is not None:
+        text[1].close()

@@ -48,7 +48,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
 
 # `make test` runs `-n 2 --dist loadgroup`: each file is one unit of work for a worker (as --dist loadfile, so
 # its module fixtures stay in one process), except files that share a session bundle: one worker builds it once
-XDIST_GROUPS = {"test_server.py": "server-bundle", "test_hostile_server.py": "server-bundle"}
+XDIST_GROUPS = {"test_server.py": "server-bundle", "test_hostile_server.py": "server-bundle",
+                "test_hostile_serving.py": "server-bundle"}
 
 
 @pytest.hookimpl(tryfirst=True)

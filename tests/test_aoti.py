@@ -2,6 +2,7 @@
 per graph for every rank, TP collectives compiled in and run under gloo (torchrun). Greedy output ==
 the export bundle == transformers' greedy generate of the target."""
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -80,6 +81,23 @@ def test_aoti_tp2_under_torchrun(world):
     got = generate(aoti, tp=2)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
+
+
+def test_aoti_bundle_from_a_remote_needs_a_pin_and_loads_with_one(world, tmp_path, monkeypatch):
+    """A native-code bundle fetched from a remote: refused unpinned; with its digest pinned (or
+    --trust-remote-code) every file, each package's own signature included, verifies."""
+    aoti = build(world, "aoti", 2).path
+    digest = json.loads((aoti / "manifest.json").read_text())["digest"]
+    monkeypatch.setenv("EAGLE3_RUNTIME_CACHE", str(tmp_path / "runtime-cache"))
+    shutil.copytree(aoti, tmp_path / "remote" / "main")
+    remote = f"file://{tmp_path / 'remote'}@main"
+    r = run_cli("eagle3-build", "pull", remote)
+    assert r.returncode == 2 and "native code (aoti)" in r.stderr and digest in r.stderr
+    for args in ((f"{remote}#sha256={digest}",), (remote, "--trust-remote-code")):
+        r = run_cli("eagle3-build", "pull", *args)
+        assert r.returncode == 0 and digest in r.stderr, r.stderr
+    r = run_cli("eagle3-build", "check", str(aoti), "--files", "--ranks", "2")
+    assert r.returncode == 0, r.stderr
 
 
 def assert_packed_projections(m: dict) -> None:

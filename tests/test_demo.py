@@ -144,7 +144,8 @@ def test_eagle3_run_chat_applies_the_template(tiny_bundles):
     r = run_cli("eagle3-run", str(bundle), "--chat", "--prompt", "hello there", "--max-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["prompt_token_ids"]
-    text = ChatTemplate.from_bundle(bundle).render([{"role": "user", "content": "hello there"}])
+    with ChatTemplate.from_bundle(bundle) as template:
+        text = template.render([{"role": "user", "content": "hello there"}])
     assert got == BundleTokenizer(bundle).encode(text, add_special_tokens=False)
     assert got != BundleTokenizer(bundle).encode("hello there")
 

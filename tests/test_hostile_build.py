@@ -38,7 +38,11 @@ def old_bundle(world, dest: Path) -> Path:
 
 
 def warm(world, cache: Path, missing: str | None = None) -> Path:
-    """Give `cache` the pair's compiled graphs and trace memos (all but graph `missing`)."""
+    """Give `cache` the pair's compiled graphs and trace memos (all but graph `missing`), and its marker."""
+    from eagle3_build.compile.cache import MARKER
+
+    cache.mkdir(parents=True, exist_ok=True)
+    shutil.copy(world["cache"] / MARKER, cache / MARKER)
     shutil.copytree(world["cache"] / "traces", cache / "traces", dirs_exist_ok=True)
     for name, key in world["keys"].items():
         if name != missing:
@@ -221,7 +225,7 @@ def test_only_killed_builds_leftovers_are_removed(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another build, running
     try:
         dead, hex32 = dead_pid(), "0" * 32
-        cache = CompileCache(tmp_path / "cache")
+        cache = CompileCache(tmp_path / "cache").open()
         names = {"dead": f"{dead}-{HOST}-{hex32}", "drop": f"drop-{dead}-{HOST}-{hex32}",
                  "live": f"{live.pid}-{HOST}-{hex32}", "mine": f"{os.getpid()}-{HOST}-{hex32}",
                  "other host": f"{dead}-0badc0de-{hex32}", "not ours": f"{hex32}", "user": "notes"}
@@ -271,3 +275,240 @@ def test_death_between_the_two_renames_is_recovered(world, tmp_path, monkeypatch
     shutil.copytree(world["ref"], parent / f".b.tmp-{dead}-{HOST}-abcd1234")
     build.clean_leftovers(parent, time.time() + 1)
     assert sorted(p.name for p in parent.iterdir()) == ["b"] and created_at(out) == "old"
+
+
+# ------------------------------------------------------------------ nothing lost, nothing wedged: one line, exit 2
+
+def cli(*args, env: dict | None = None):
+    """The builder's command line in-process (its own checks, without another interpreter start)."""
+    from typer.testing import CliRunner
+
+    from eagle3_build.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def one_line(r, why: str) -> None:
+    """Exit 2 and one line on stderr that says `why` (a CliRunner result or a finished process)."""
+    code = r.exit_code if hasattr(r, "exit_code") else r.returncode
+    assert code == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, (code, r.stderr)
+    assert why in r.stderr, r.stderr
+
+
+def user_tree(root: Path) -> dict[str, str]:
+    """A user's folder that looks like a cache from the outside: graphs/, traces/, host/, failures/ and a file."""
+    for sub in ("graphs/ab", "traces", "host", "failures"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "mine.txt").write_text(f"my {sub}")
+    (root / "notes.txt").write_text("mine")
+    return snapshot(root)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_cache_clear_and_prune_remove_nothing_that_is_not_a_cache(world, tmp_path, monkeypatch):
+    """A folder without the cache's marker, a bundle, / (a link to it) and the home directory are refused
+    by `cache clear` / `prune`; a real cache is cleared (its marker stays)."""
+    user, bundle, home = tmp_path / "project", tmp_path / "bundle", tmp_path / "home"
+    before = user_tree(user)
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text("{}")  # (any directory holding a manifest.json)
+    (bundle / "graphs").mkdir()
+    home.mkdir()
+    (home / "graphs").mkdir()
+    (tmp_path / "to-root").symlink_to("/")
+    monkeypatch.setenv("HOME", str(home))
+    cases = {user: "is not empty and is not an eagle3-build cache", bundle: "is a bundle (it holds manifest.json)",
+             tmp_path / "to-root": "(that is /) is the root directory", home: "is your home directory"}
+    for root, why in cases.items():
+        for command in (["cache", "clear"], ["cache", "prune", "--max-size", "0"]):
+            one_line(cli(*command, env={"EAGLE3_BUILD_CACHE": str(root)}), why)
+            one_line(cli(*command, "--cache-dir", root), why)
+    r = run_cli("eagle3-build", "cache", "clear", env={"EAGLE3_BUILD_CACHE": str(user)})  # the real entry point
+    one_line(r, f"compile cache {user} is not empty and is not an eagle3-build cache (no CACHEDIR.TAG written by "
+                "eagle3-build); nothing there was touched: point EAGLE3_BUILD_CACHE or --cache-dir at an empty or new")
+    assert snapshot(user) == before and (bundle / "graphs").is_dir() and (home / "graphs").is_dir()
+
+    cache = warm(world, tmp_path / "cache")  # a cache (its marker copied with it) is cleared
+    r = cli("cache", "clear", env={"EAGLE3_BUILD_CACHE": str(cache)})
+    assert r.exit_code == 0 and f"removed {len(world['keys'])} cached graph(s)" in r.stderr, r.output
+    assert sorted(p.name for p in cache.iterdir()) == ["CACHEDIR.TAG"]
+
+
+def test_a_directory_is_a_cache_only_by_its_marker(world, tmp_path):
+    """compile / plan / ls adopt a new or empty directory (writing the marker) and refuse any other without
+    it, or one holding the recipe or the bundle, before any work; a link to / is never followed into."""
+    from eagle3_build.compile.cache import MARKER, SIGNATURE, CompileCache
+
+    user = tmp_path / "project"
+    before = user_tree(user)
+    recipe, out = world["recipe"], tmp_path / "art" / "b"
+    (tmp_path / "to-root").symlink_to("/")
+    in_root = sorted(os.listdir("/"))
+    cases = [(user, "is not empty and is not an eagle3-build cache"), (recipe.parent, "holds the recipe"),
+             (tmp_path / "art", "holds the bundle directory"), (tmp_path / "to-root", "is the root directory")]
+    for root, why in cases:
+        env = {"EAGLE3_BUILD_CACHE": str(root)}
+        one_line(cli("compile", recipe, "--out", out, "--no-verify", env=env), why)
+        if root != tmp_path / "art":  # (plan writes no bundle)
+            one_line(cli("plan", recipe, "--no-keys", env=env), why)
+    one_line(cli("cache", "ls", env={"EAGLE3_BUILD_CACHE": str(user)}), "is not an eagle3-build cache")
+    assert snapshot(user) == before and not out.exists()
+    assert sorted(os.listdir("/")) == in_root  # (no graphs/, traces/, CACHEDIR.TAG there)
+
+    new, empty = CompileCache(tmp_path / "new"), CompileCache(tmp_path / "empty")
+    empty.root.mkdir()
+    for c in (new, empty):  # adopted: marked (the Cache Directory Tagging standard's first line) and writable
+        c.open()
+        assert (c.root / MARKER).read_text().splitlines()[:2] == [SIGNATURE, "# This file is a cache directory tag "
+                                                                 "created by eagle3-build (its compile cache)."]
+    shutil.copytree(world["cache"], tmp_path / "copy")  # a copy of a built cache carries the marker
+    assert CompileCache(tmp_path / "copy").existing()
+
+
+def test_a_cache_on_a_file_or_read_only_directory_is_one_line(world, tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    recipe = world["recipe"]
+    for root in (file, file / "cache"):
+        env = {"EAGLE3_BUILD_CACHE": str(root)}
+        for command in (["compile", recipe, "--out", tmp_path / "b", "--no-verify"], ["plan", recipe],
+                        ["cache", "ls"], ["cache", "clear"]):
+            one_line(cli(*command, env=env), f"{file} is a file, not a directory; point EAGLE3_BUILD_CACHE or")
+    assert file.read_text() == "mine"
+
+    ro = tmp_path / "read-only"  # root writes anywhere but into an immutable directory (or a read-only mount)
+    ro.mkdir()
+    if subprocess.run(["chattr", "+i", str(ro)], capture_output=True).returncode != 0:
+        if os.geteuid() == 0:
+            pytest.skip("no immutable directories here (chattr), and root writes through permissions")
+        ro.chmod(0o555)
+    try:
+        env = {"EAGLE3_BUILD_CACHE": str(ro)}
+        for command in (["compile", recipe, "--out", tmp_path / "b", "--no-verify"], ["plan", recipe],
+                        ["cache", "ls"], ["cache", "clear"]):
+            one_line(cli(*command, env=env), f"compile cache {ro} cannot be written: {ro}")
+    finally:
+        subprocess.run(["chattr", "-i", str(ro)], capture_output=True)
+        ro.chmod(0o755)
+    assert list(ro.iterdir()) == [] and not (tmp_path / "b").exists()
+
+
+def test_shard_count_is_bounded(world):
+    for shard in ("1/99999999999999999999", "0/2", "3/2", "1/0", "a/b"):
+        one_line(cli("compile", world["recipe"], "--shard", shard), "--shard")
+    r = run_cli("eagle3-build", "compile", str(world["recipe"]), "--shard", "1/99999999999999999999")
+    one_line(r, "expected I/N with 1 <= I <= N <= 1024")
+
+
+def test_a_pruned_entry_is_compiled_again_not_a_traceback(world, tmp_path, monkeypatch):
+    """`cache prune` removing an entry between the cache hit and its copy into the bundle: that graph is a
+    miss (compiled again) and the bundle is the same."""
+    from eagle3_build import build
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_build.recipe import load_recipe
+
+    cache = warm(world, tmp_path / "cache")
+    real, fetched = build.compile_graphs, []
+
+    def pruned_meanwhile(*a, **k):
+        traced, results = real(*a, **k)
+        if not fetched:
+            shutil.rmtree(results[0].entry.path)  # (what a concurrent prune does to the first one)
+        fetched.append([tg.spec.name for tg in traced])
+        return traced, results
+
+    monkeypatch.setattr(build, "compile_graphs", pruned_meanwhile)
+    (pair,) = load_recipe(world["recipe"]).pairs
+    m = build.build_bundle(pair, tmp_path / "b", cache=CompileCache(cache))
+    first = fetched[0][0]
+    assert fetched == [list(world["keys"]), [first]]
+    assert m.digest == world["digest"] and m.build["graphs"][first]["status"] == "compiled"
+    assert m.build["compiled"] == 1 and m.build["cached"] == len(world["keys"]) - 1
+
+
+FSIZE_LIMIT = 1_000_000  # bytes: under a graph file of the tiny pair (the bundle's first copy fails)
+
+
+def _file_size_limit():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG (not a signal)
+
+
+def test_write_errors_are_one_line_with_the_fix(world, tmp_path):
+    """A name too long (before any work) and a file past the size limit (as a full disk: mid-build, rolled
+    back): the path, the error and the fix on one line, exit 2; --debug adds the traceback."""
+    art, cache = tmp_path / "art", warm(world, tmp_path / "cache")
+    env = {"EAGLE3_BUILD_CACHE": str(cache)}
+    art.mkdir()
+    long = art / ("x" * 300)
+    r = run_cli("eagle3-build", "compile", str(world["recipe"]), "--out", str(long), env=env)
+    one_line(r, f"{long}: File name too long (ENAMETOOLONG); a name in that path is longer than the filesystem allows")
+    r = run_cli("eagle3-build", "--debug", "inspect", str(long))  # (a bundle path too; no torch to import)
+    assert r.returncode == 2 and "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "File name too long (ENAMETOOLONG)" in r.stderr
+
+    code = "import sys; from eagle3_build.cli import main; sys.argv[0] = 'eagle3-build'; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, "compile", str(world["recipe"]), "--out", str(art / "b"),
+                        "--no-verify"], capture_output=True, text=True, preexec_fn=_file_size_limit, timeout=300,
+                       env=dict(os.environ, COLUMNS="200", **env))
+    one_line(r, "File too large (EFBIG); a file outgrew the file size limit (`ulimit -f`)")
+    assert f"{art}/.b.tmp-" in r.stderr  # (the path it was writing: the bundle's temporary sibling)
+    assert list(art.iterdir()) == [] and leftovers(art, cache) == []
+
+
+def test_a_neuron_sdk_that_fails_to_import_is_one_line(world, tmp_path, monkeypatch):
+    """The SDK is there (the metadata check passes) but importing it fails, as without libnrt: one line naming
+    the package and the fix from `compile`; `plan` says so in a note."""
+    site, sdk = tmp_path / "site", ("torch_neuronx", "neuronxcc", "libneuronxla", "neuronx_distributed")
+    for mod in sdk:
+        (site / mod).mkdir(parents=True)
+        (site / mod / "__init__.py").write_text('__version__ = "2.9.0"\n')
+    (site / "torch_neuronx" / "__init__.py").write_text(
+        'raise ImportError("libnrt.so.1: cannot open shared object file: No such file or directory")\n')
+    env = {"PYTHONPATH": str(site), "EAGLE3_BUILD_CACHE": str(tmp_path / "cache")}
+    r = run_cli("eagle3-build", "compile", str(world["recipe"]), "--backend", "neuron", "--out", str(tmp_path / "b"),
+                env=env)
+    one_line(r, "backend neuron needs torch-neuronx, which is installed but broken (it fails to import): "
+                "`import torch_neuronx` raised ImportError('libnrt.so.1: cannot open shared object file")
+    assert "pip.repos.neuron.amazonaws.com" in r.stderr and not (tmp_path / "b").exists()
+
+    monkeypatch.syspath_prepend(str(site))  # plan in-process (no other interpreter start), then the SDK goes again
+    for mod in sdk:
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    r = cli("plan", world["recipe"], "--backend", "neuron", "--no-keys",
+            env={"EAGLE3_BUILD_CACHE": str(tmp_path / "cache")})
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "not usable on this host (backend neuron needs torch-neuronx, which is installed but broken" in r.stdout
+
+
+def test_push_removes_only_what_dead_pushes_left(world, tmp_path):
+    """A push killed mid-copy (or between two renames) leaves `.main.tmp-<owner>-*` (or `.main.old-<owner>`) in a
+    file:// remote: the next push removes them when their pushing process is dead and of this host; a live
+    push's, another host's and names this tool does not write stay."""
+    from eagle3_build.compile.cache import HOST
+    from eagle3_build.publish import push
+
+    remote = tmp_path / "remote"
+    push(world["ref"], f"file://{remote}@main")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a push still running
+    try:
+        dead = dead_pid()
+        gone = [f".main.tmp-{dead}-{HOST}-abcd1234", f".main.old-{dead}-{HOST}"]
+        kept = [f".main.tmp-{live.pid}-{HOST}-abcd1234", f".main.tmp-{dead}-0badc0de-abcd1234",
+                ".main.push-1234abcd", ".main.old-notes"]
+        for name in gone + kept:
+            (remote / name / "graphs").mkdir(parents=True)
+            (remote / name / "graphs" / "g.pt2").write_bytes(b"x" * 1000)
+        time.sleep(0.05)
+        r = run_cli("eagle3-build", "push", str(world["ref"]), f"file://{remote}@main")
+        assert r.returncode == 0, r.stderr
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in remote.iterdir()) == sorted(["main", *kept])
+    assert json.loads((remote / "main" / "manifest.json").read_text())["digest"] == world["digest"]

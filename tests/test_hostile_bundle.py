@@ -7,9 +7,11 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from test_server import ServerProc
 
 from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.compat import check_bundle
-from eagle3_runtime.manifest import sha256_file
+from eagle3_runtime.manifest import kv_cache_length, sha256_file
 from eagle3_runtime.reader import read_manifest
 from eagle3_runtime.safe_pt2 import UnsafeArchive, check_archive
 
@@ -250,9 +252,16 @@ def test_symlink_leaving_the_bundle_is_refused(good, tmp_path):
     assert r.returncode == 2 and "leaves the bundle" in r.stderr
 
 
+def huge_context(raw: dict) -> None:
+    """max_model_len ~2^24, with KV caches of that length (consistent: only host memory refuses it)."""
+    raw["max_model_len"] = (1 << 24) - 128
+    for s in raw["state"]:
+        s["shape"][4] = kv_cache_length(raw["max_model_len"], 3)
+
+
 @pytest.mark.parametrize("case, mutate, needle", [
     ("absurd dimension", lambda r: r["state"][0].__setitem__("shape", [1 << 50, 2]), "state.0.shape"),
-    ("huge state under the dim cap", lambda r: r["state"][0].__setitem__("shape", [1 << 16] * 4), "GiB"),
+    ("huge state under the dim cap", lambda r: huge_context(r), "GiB"),
     ("unknown dtype", lambda r: r["state"][0].__setitem__("dtype", "float8_e9m9"), "dtype"),
     ("no graphs", lambda r: r.__setitem__("graphs", []), "missing"),
     ("no prefill buckets", lambda r: r.__setitem__("prefill_buckets", []), "prefill_buckets"),
@@ -346,14 +355,158 @@ def test_expect_digest_and_signatures_round_trip(good, tmp_path, monkeypatch):
 
 
 def test_native_code_from_a_remote_needs_a_pin(good, tmp_path, monkeypatch):
+    """An aoti bundle from a remote is refused unless pinned, before any graph file is read; pinned, its
+    files must still be what an aoti bundle's are (here: export archives relabelled, refused). A real aoti
+    bundle pulled with a pin: tests/test_aoti.py."""
     monkeypatch.setenv("EAGLE3_RUNTIME_CACHE", str(tmp_path / "runtime-cache"))
     tree = tmp_path / "remote" / "main"
     shutil.copytree(good, tree)
-    raw = rehash(tree, lambda r: r.__setitem__("backend", "aoti"))
+    raw = rehash(tree, as_aoti)
     remote = f"file://{tmp_path / 'remote'}@main"
     r = run_cli("eagle3-build", "pull", remote)
     assert r.returncode == 2 and "native code (aoti)" in r.stderr and raw["digest"] in r.stderr
-    r = run_cli("eagle3-build", "pull", remote, "--expect-digest", f"sha256:{raw['digest']}")
-    assert r.returncode == 0, r.stderr
-    r = run_cli("eagle3-build", "pull", remote, "--trust-remote-code")
-    assert r.returncode == 0, r.stderr
+    for pin in (("--expect-digest", f"sha256:{raw['digest']}"), ("--trust-remote-code",)):
+        r = run_cli("eagle3-build", "pull", remote, *pin)
+        assert r.returncode == 2 and "must be an AOTInductor package" in r.stderr and "Traceback" not in r.stderr
+
+
+def as_aoti(raw: dict) -> None:
+    """The manifest of an export bundle relabelled as aoti (backend and every graph's file format)."""
+    raw["backend"] = "aoti"
+    for g in raw["graphs"]:
+        g["backend"]["format"] = "aotinductor"
+
+
+# ------------------------------------------------------------------ manifests that agree with themselves, not with
+# their files: each edited and re-digested, as anyone can. `check` (as data) or `check --files` / load (against
+# what each graph file and weight file says it holds) refuses every one in one line; none reaches a graph call.
+
+def _state(**kw):
+    def tamper(b, raw):
+        for s in raw["state"]:
+            if "rows" in kw:
+                s["shape"][2] = kw["rows"]
+            if "dtype" in kw:
+                s["dtype"] = kw["dtype"]
+            if "shape" in kw:
+                s["shape"] = kw["shape"]
+    return tamper
+
+
+def _weights(model: str, edit, every: bool = True):
+    def tamper(b, raw):
+        graphs = [g for g in raw["graphs"] if g["model"] == model]
+        for g in graphs if every else graphs[:1]:
+            edit(g["weights"])
+    return tamper
+
+
+def _swap(a, b_):
+    def edit(ws):
+        ws[a], ws[b_] = ws[b_], ws[a]
+    return edit
+
+
+def _packed(entry, aoti: bool = True):
+    def tamper(b, raw):
+        if aoti:
+            as_aoti(raw)
+        g = next(g for g in raw["graphs"] if g["name"] == "target_decode_b1")
+        g["packed"].append(entry(g))
+    return tamper
+
+
+def _swap_files(a: str, b_: str):
+    def tamper(b, raw):
+        pa, pb = b / "graphs" / a, b / "graphs" / b_
+        da, db = pa.read_bytes(), pb.read_bytes()
+        pa.write_bytes(db)
+        pb.write_bytes(da)
+    return tamper
+
+
+def _index_as_float(b, raw):
+    g = next(g for g in raw["graphs"] if g["name"] == "target_decode_b1")
+    next(s for s in g["inputs"] if s["name"] == "tokens")["dtype"] = "float32"
+
+
+def _two_slots(b, raw):  # consistent as data (rows = max_num_seqs), not with the compiled graphs
+    raw["max_num_seqs"] = 2
+    _state(rows=2)(b, raw)
+
+
+TAMPERS = [  # (case, tamper(bundle, raw manifest), what the one line names, refused as data alone)
+    ("backend export -> aoti", lambda b, r: r.__setitem__("backend", "aoti"), "'torch.export' graph", True),
+    ("backend and file formats -> aoti", lambda b, r: as_aoti(r), "must be an AOTInductor package", False),
+    ("KV state dtype", _state(dtype="bfloat16"), "state target_kv", True),
+    ("KV slot count", _state(rows=2), "state target_kv", True),
+    ("KV slot count with max_num_seqs", _two_slots, "KV cache target_kv", False),
+    ("zero-sized huge KV state", _state(shape=[0, 1 << 40, 1, 1, 1, 1]), "state target_kv", True),
+    ("max_model_len past the KV cache", lambda b, r: r.__setitem__("max_model_len", 400), "state target_kv", True),
+    ("packed 1-D weight", _packed(lambda g: {"weight": "target/norm.weight", "rows": 1, "format": "mkl_sgemm"}),
+     "2-D float32", True),
+    ("packed for 2^24 rows", _packed(lambda g: {"weight": g["weights"][1], "rows": 1 << 24, "format": "mkl_sgemm"}),
+     "token rows", True),
+    ("packed on an export graph", _packed(lambda g: {"weight": g["weights"][1], "rows": 1, "format": "mkl_sgemm"},
+                                          aoti=False), "packed weights on a export graph", True),
+    ("weights reordered in one graph", _weights("target", _swap(0, 1), every=False), "differ from the other", True),
+    ("weights reordered in every graph", _weights("target", _swap(0, 1)), "input 0 of the graph file", False),
+    ("a weight dropped from every graph", _weights("draft", lambda ws: ws.pop()), "the graph file takes", False),
+    ("graph file swapped for another role's", _swap_files("target_decode_b1.pt2", "target_verify_b1.pt2"),
+     "target_verify_b1.pt2: the graph file takes", False),
+    ("index input declared float32", _index_as_float, "'tokens', [1], 'float32'", True),
+    ("tensor shape not the weight file's", lambda b, r: r["models"]["target"]["tensors"]["norm.weight"].__setitem__(
+        "shape", [65]), "norm.weight", False),
+    ("vocab_size not the logits'", lambda b, r: r.__setitem__("vocab_size", 500), "logits", True),
+]
+
+
+@pytest.mark.parametrize("case, tamper, needle, as_data", TAMPERS, ids=[t[0] for t in TAMPERS])
+def test_check_refuses_what_load_would_choke_on(good, tmp_path, case, tamper, needle, as_data):
+    b = copy(good, tmp_path)
+    raw = json.loads((b / "manifest.json").read_text())
+    tamper(b, raw)
+    (b / "manifest.json").write_text(json.dumps(raw))
+    rehash(b)
+    shallow = check_bundle(b)
+    assert shallow.ok != as_data, shallow.reasons()
+    if as_data:
+        assert shallow.code == 2 and needle in shallow.reasons()[0], shallow.reasons()
+    deep = check_bundle(b, files=True)
+    assert deep.code == 2 and needle in deep.reasons()[0], deep.reasons()
+    with pytest.raises(BundleError, match=re.escape(needle)):
+        Bundle(b)
+
+
+def test_tampered_bundles_through_the_clis(good, tmp_path):
+    for case in ("KV slot count with max_num_seqs", "weights reordered in every graph"):
+        _, tamper, needle, _ = next(t for t in TAMPERS if t[0] == case)
+        b = copy(good, tmp_path, case.replace(" ", "-"))
+        raw = json.loads((b / "manifest.json").read_text())
+        tamper(b, raw)
+        (b / "manifest.json").write_text(json.dumps(raw))
+        rehash(b)
+        for cmd in (("eagle3-build", "check", str(b), "--files"), ("eagle3-run", str(b), "--prompt", "hi")):
+            r = run_cli(*cmd)
+            lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("ok ")]
+            assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert len(lines) <= 2, lines  # (check: the failed check and its verdict)
+
+
+@pytest.mark.parametrize("pin", ["none", "another digest", "its own digest"])
+def test_a_64k_choice_manifest_is_refused_in_under_a_second(good, tmp_path, pin):
+    """64k distinct static-tree paths, each within bounds: every size is capped
+    before any per-element work, and a pin is compared on the manifest as read, before validation."""
+    from eagle3_runtime.trust import Pins
+
+    b = copy(good, tmp_path)
+    raw = json.loads((b / "manifest.json").read_text())
+    raw["speculation"]["1"]["choices"] = [[x, y, z, w] for x in range(16) for y in range(16) for z in range(16)
+                                          for w in range(16)]
+    write_raw(b, raw)
+    pins = {"none": Pins(), "another digest": Pins(digest="0" * 64), "its own digest": Pins(digest=raw["digest"])}[pin]
+    t0 = time.perf_counter()
+    v = check_bundle(b, pins=pins)
+    assert time.perf_counter() - t0 < 1.0
+    needle = "not the bundle you pinned" if pin == "another digest" else "at most 127"
+    assert v.code == 2 and needle in v.reasons()[0], v.reasons()

@@ -142,6 +142,21 @@ def test_content_length_over_cap_413_at_once(server):
     assert_healthy(server.url)
 
 
+def test_clients_that_send_the_whole_body_first_read_the_413(server):
+    """urllib says `Connection: close` and sends all 20 MB before reading: the server answers early,
+    then lingers (half-closed, draining) instead of resetting the connection under it."""
+    import urllib.error
+    import urllib.request
+
+    for _ in range(3):
+        req = urllib.request.Request(server.url + "/v1/completions", data=b"x" * (20 << 20),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 413 and b"--max-body-bytes" in e.value.read()
+    assert_healthy(server.url)
+
+
 def test_chunked_body_over_cap_413(server):
     """No Content-Length (chunked): the server counts bytes as they arrive and stops at the cap."""
     sent = []

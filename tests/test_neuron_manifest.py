@@ -20,7 +20,7 @@ def drop_field(field):
     return edit
 
 
-CASES = [  # (edit of the target model's graph entries, what the message must say)
+CASES = [  # (edit of the target model's graph entries, what the message must say; check `check` fails)
     (drop_field("arity"), "backend.arity is missing"),
     (set_field("arity", "4"), "backend.arity is '4', not an integer"),
     (set_field("arity", True), "backend.arity is True, not an integer"),
@@ -28,7 +28,7 @@ CASES = [  # (edit of the target model's graph entries, what the message must sa
     (set_field("arity", 5, graph=1), "differ from graph"),
     (drop_field("n_out"), "backend.n_out is missing"),
     (set_field("n_out", 0), "backend.n_out 0 is outside"),
-    (set_field("format", "torchscript"), "backend.format is 'torchscript', not 'nxd-model'"),
+    (set_field("format", "torchscript"), "its file is a 'torchscript' graph, a neuron bundle's graphs are 'nxd-model'"),
     (set_field("key", "draft_step"), "backend.key 'draft_step' is not the graph's role"),
     (set_field("bucket_index", -1), "backend.bucket_index -1 is outside"),
     (drop_field("bucket_index"), "backend.bucket_index is missing"),
@@ -38,13 +38,13 @@ CASES = [  # (edit of the target model's graph entries, what the message must sa
 def rewrite(bundle, edit) -> str:
     """Apply `edit` to the target's graph entries, re-sign the digest (so only the call fields are wrong);
     returns the first target graph's name."""
-    from eagle3_runtime.manifest import Manifest
+    from eagle3_runtime.manifest import digest_of
 
     path = bundle / "manifest.json"
     raw = json.loads(path.read_text())
     graphs = [g for g in raw["graphs"] if g["model"] == "target"]
     edit(graphs)
-    raw["digest"] = Manifest.model_validate(raw).compute_digest()
+    raw["digest"] = digest_of(raw)
     path.write_text(json.dumps(raw))
     return graphs[0]["name"]
 
@@ -81,5 +81,6 @@ def test_bad_nxd_call_fields_are_one_clear_refusal(standin_sdk, tmp_path, capsys
 
         r = runner.invoke(app, ["check", str(out)])
         flat = " ".join(r.output.split())
-        assert r.exit_code == 2 and "FAIL nxd calls" in flat and needle in flat, r.output
+        failed = "manifest" if "its file is" in needle else "nxd calls"
+        assert r.exit_code == 2 and f"FAIL {failed}" in flat and needle in flat, r.output
         assert "Traceback" not in r.output

@@ -102,16 +102,19 @@ def test_check_verdicts_and_exit_codes(world, tmp_path):
     tp = run_cli("eagle3-build", "check", str(world["single"]), "--ranks", "2")
     assert tp.returncode == 5 and "tp_degree 1" in tp.stderr
 
-    from eagle3_runtime.manifest import SCHEMA_VERSION, Manifest
+    from eagle3_runtime.manifest import digest_of
 
     def variant(name, **update):
         b = tmp_path / name
         shutil.copytree(world["single"], b)
         raw = json.loads((b / "manifest.json").read_text())
         raw.update(update)
-        if raw.get("schema_version") == SCHEMA_VERSION:
-            m = Manifest.model_validate(raw)
-            raw["digest"] = m.compute_digest()
+        if raw["backend"] == "neuron":  # as data, what a neuron bundle's graphs say: NxD files, int32 indices
+            for g in raw["graphs"]:
+                g["backend"]["format"] = "nxd-model"
+                for spec in g["inputs"][1:]:
+                    spec["dtype"] = "int32" if spec["dtype"] == "int64" else spec["dtype"]
+        raw["digest"] = digest_of(raw)
         (b / "manifest.json").write_text(json.dumps(raw))
         return b
 

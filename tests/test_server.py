@@ -27,17 +27,7 @@ class ServerProc:
         self.log = open((log_dir or Path(bundle).parent) / f"server-{self.port}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server did not become healthy")
+        wait_healthy(self.url, 240, lambda: self.proc.poll() is not None and Path(self.log.name).read_text()[-3000:])
 
     def stop(self):
         self.proc.terminate()
@@ -46,6 +36,22 @@ class ServerProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+def wait_healthy(url: str, timeout: float = 30, exited=lambda: False) -> None:
+    """Until `url`/health answers 200; `exited()` -> the server's log once it has died (then RuntimeError)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        log = exited()
+        if log is not False:
+            raise RuntimeError(f"server exited: {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("server did not become healthy")
 
 
 @pytest.fixture(scope="module")

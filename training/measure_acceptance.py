@@ -33,17 +33,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from eagle3_runtime.chat import ChatTemplate
     from eagle3_runtime.engine import Engine, SpecStats
-    from eagle3_runtime.tokenizer import BundleTokenizer
     from eagle3_runtime.tp import open_bundle
     from train_eagle3_draft import DATA_ROOT, load_split
 
     data = Path(args.data) if args.data else max(DATA_ROOT.glob("*/eval.safetensors"), key=lambda p: p.stat().st_mtime)
     held = load_split(data)
     bundle, _ = open_bundle(args.bundle)
-    tok = BundleTokenizer(bundle.root)
-    template = ChatTemplate.from_bundle(bundle.root)
+    tok, template = bundle.text  # (the chat template renders in its own worker processes)
     engine = Engine(bundle, detokenize=tok.decode)
     total = SpecStats(engine.K)
     rows, t_spec, t_plain, n_spec = [], 0.0, 0.0, 0

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+from eagle3_runtime.manifest import GRAPH_FORMATS, dtype_name
 from eagle3_runtime.packing import pack_available
+from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
 from ..files import atomic_write
@@ -66,7 +68,7 @@ class AotiBackend(Backend):
 
     def key_fields(self, role: str) -> dict:
         fields = {"name": NAME, "version": self.version(), "target": self.target(),
-                  "inductor_configs": self.inductor_configs}
+                  "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY}
         return {**fields, "pack_weights": True} if self.pack_weights else fields  # (unpacked: the old keys)
 
     def pack_format(self, dtype: str) -> str | None:
@@ -95,7 +97,7 @@ class AotiBackend(Backend):
         try:
             # one compile thread: AOTI emits one kernel file, and Inductor's worker pool only slows
             # start-up and can hold the interpreter at exit; parallelism comes from our own jobs
-            patch = {"compile_threads": 1}
+            patch = {"compile_threads": 1, "aot_inductor.metadata": {METADATA_KEY: signature(ep).to_json()}}
             if self.vec_isa_ok:
                 patch["cpp.vec_isa_ok"] = True
             with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
@@ -105,7 +107,7 @@ class AotiBackend(Backend):
         finally:
             shutil.rmtree(work, ignore_errors=True)
         set_serialization_id(out, key)
-        return {"format": "aotinductor", "torch": torch.__version__, "device": self.device, "target": self.target()}
+        return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__, "device": self.device, "target": self.target()}
 
 
 @contextlib.contextmanager
@@ -178,6 +180,16 @@ def host_vec_isa(cache_root: Path) -> dict:
 def warm_up() -> None:
     """What a compile worker imports while the build is still tracing (compile/worker.py serve)."""
     import torch._inductor.compile_fx  # noqa: F401
+
+
+def signature(ep) -> Signature:
+    """What the compiled graph takes and returns (user inputs and outputs, in call order), which the
+    package states in its metadata so that the runtime can check a manifest against it as data."""
+    user = set(ep.graph_signature.user_inputs)
+    ins = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder" and n.name in user]
+    (out_node,) = [n for n in ep.graph.nodes if n.op == "output"]
+    outs = [a.meta["val"] for a in pytree.tree_leaves(out_node.args)]
+    return Signature([(list(v.shape), dtype_name(v.dtype)) for v in ins], [(list(v.shape), dtype_name(v.dtype)) for v in outs])
 
 
 def example_inputs(ep, device: str = "cpu"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from eagle3_runtime.manifest import GRAPH_FORMATS
 
 from ..recipe import check_backend_options
 from .base import Backend
@@ -19,7 +20,7 @@ def compile_exported(ep, out: Path, key: str, role: str) -> dict:
     ep.example_inputs = None  # would embed the (weight-sized) example inputs in the file
     torch.export.save(ep, out)
     set_serialization_id(out, key)
-    return {"format": "torch.export", "torch": torch.__version__}
+    return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__}
 
 
 class ExportBackend(Backend):

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from eagle3_runtime import manifest
-from eagle3_runtime.manifest import PREFILL_ROLES, ROLES
+from eagle3_runtime.manifest import PREFILL_ROLES, ROLES, index_dtype, torch_dtype
 from eagle3_runtime.neuron import (COMPACT_FIELD, KV_COMPACT, KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, compact_pairs,
                                    kv_compact_inputs, kv_move_inputs, routing_signature)
 
@@ -54,11 +54,11 @@ from ..errors import UserError
 from ..graphs import ROLE_MODULES, GraphSpec
 from ..models.llama import KVCache
 from ..recipe import check_backend_options
-from .base import NEURON_SDK, Backend, preflight
+from .base import NEURON_INSTALL_HINT, NEURON_SDK, Backend, preflight
 
 NAME = "neuron"
 SUFFIX = ".pt"
-INDEX_DTYPE = torch.int32  # token / position / index inputs (NxDI's input_generator)
+INDEX_DTYPE = torch_dtype(index_dtype("neuron"))  # token / position / index inputs (NxDI's input_generator)
 
 COMMON_ARGS = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none"]
 # NxDI's per-model defaults (neuronx-distributed-inference models/model_wrapper.py, docs/neuron-sdk-facts.md §6):
@@ -153,10 +153,21 @@ def neuron_devices() -> list[str]:
 
 
 def sdk_versions() -> dict[str, str]:
-    """Versions of the installed Neuron SDK packages (UserError naming what is missing)."""
+    """Versions of the installed Neuron SDK packages (UserError naming what is missing or fails to import)."""
     preflight(NAME)
-    return {dist: str(getattr(importlib.import_module(mod), "__version__", "unknown"))
-            for mod, dist in NEURON_SDK.items()}
+    return {dist: str(getattr(_import_sdk(mod, dist), "__version__", "unknown")) for mod, dist in NEURON_SDK.items()}
+
+
+def _import_sdk(mod: str, dist: str):
+    """Import one SDK package; one that is there but fails to import (a placeholder without its metadata, a
+    missing runtime library such as libnrt.so.1, a broken install) is a UserError naming it and the fix."""
+    try:
+        return importlib.import_module(mod)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise UserError(f"backend neuron needs {dist}, which is installed but broken (it fails to import): "
+                        f"`import {mod}` raised {type(e).__name__}({first!r}); reinstall it, and the Neuron runtime "
+                        f"libraries it loads (aws-neuronx-runtime-lib for libnrt): {NEURON_INSTALL_HINT}") from e
 
 
 

@@ -18,6 +18,15 @@ Layout under `$EAGLE3_BUILD_CACHE` (default `~/.cache/eagle3-build`):
                                                     rebuild does not even re-export
   failures/<key>.json + <key>.log                   the last failed compile of a key (never skips a compile)
   tmp/<pid>-<host>-<uuid>/                          entries being written (named after their builder)
+  CACHEDIR.TAG                                      the marker (Cache Directory Tagging standard, so backup
+                                                    tools skip the cache too) naming eagle3-build
+
+The marker is what makes a directory this tool's cache: it is written when the cache is created, or
+first written into while empty; a non-empty directory without it is never adopted (but for the default
+cache made before the marker existed, holding nothing but the cache's own directories), and `cache
+clear` / `cache prune` remove nothing where it is missing. A cache never resolves to /, the home
+directory (or a directory holding it), a bundle (manifest.json), or a directory holding the recipe or
+the bundle being built (`check_place`).
 
 Entries are written in `tmp/` and renamed into place (atomic on one filesystem, so several builders
 can share one cache directory, e.g. NFS or a CI cache, and readers need no lock). A hit is
@@ -27,6 +36,7 @@ build still running nor anything in `tmp/` this tool did not name.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -38,19 +48,34 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
-from eagle3_runtime.manifest import sha256_file
+from eagle3_runtime.manifest import MANIFEST, sha256_file
 
-from ..files import atomic_write
+from ..errors import UserError
+from ..files import atomic_write, nearest_existing, os_error_line
 
 KEY_FORMAT = 1
 ENTRY = "entry.json"
+CONTENT = ("graphs", "traces", "failures", "host")  # what `cache clear` removes (tmp/: what builders are writing)
+MARKER = "CACHEDIR.TAG"
+SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"  # the first line of every cache directory tag
+MARKER_TEXT = (f"{SIGNATURE}\n# This file is a cache directory tag created by eagle3-build (its compile cache).\n"
+               "# For information about cache directory tags, see https://bford.info/cachedir/\n")
+_MARKER_TMP = re.compile(re.escape(f".{MARKER}.") + "[0-9a-f]{32}")  # atomic_write's temporary name
+USE_ANOTHER = "point EAGLE3_BUILD_CACHE or --cache-dir at an empty or new directory"
+
+
+class CacheError(UserError):
+    """A compile cache directory this tool must not use, or cannot write; the message names the fix."""
 
 
 def default_cache_dir() -> Path:
     env = os.environ.get("EAGLE3_BUILD_CACHE")
-    if env:
-        return Path(env).expanduser()
+    return Path(env).expanduser() if env else _default_root()
+
+
+def _default_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "eagle3-build"
 
 
@@ -167,6 +192,15 @@ def _meta(node) -> str:
 
 # ------------------------------------------------------------------ store
 
+def _intact(d: Path, meta: dict) -> bool:
+    """Whether every file an entry lists is there with its size and sha256."""
+    for name, f in meta["files"].items():
+        p = d / name
+        if not p.is_file() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+            return False
+    return True
+
+
 @dataclass
 class Entry:
     key: str
@@ -190,6 +224,77 @@ class CompileCache:
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
         self._timings: list[tuple[str, str, float]] | None = None  # (backend, role, s / sqrt(tokens))
+        self._open = False  # the root was checked and marked (`open`): once per cache object
+
+    # ---- the directory: which one may be a cache (see the module docstring)
+    def check_place(self, keep: Iterable[tuple[str, Path]] = ()) -> None:
+        """Refuse (CacheError) a root that resolves to /, the home directory or a directory holding it, a
+        bundle, or a directory holding a (what, path) of `keep` (the recipe, the bundle being built); or whose
+        path runs through a file."""
+        real = Path(os.path.realpath(self.root))
+        name = f"compile cache {self.root}" + ("" if real == Path(os.path.abspath(self.root)) else f" (that is {real})")
+        for what, path in [("the root directory", Path(real.anchor)), ("your home directory", Path.home()), *keep]:
+            inside = Path(os.path.realpath(path))
+            if real == inside or real in inside.parents:
+                raise CacheError(f"{name} {'is' if real == inside else 'holds'} {what} ({inside}); `cache clear` "
+                                 f"would empty it: {USE_ANOTHER}")
+        if (real / MANIFEST).exists():
+            raise CacheError(f"{name} is a bundle (it holds {MANIFEST}), not a compile cache; {USE_ANOTHER}")
+        there = nearest_existing(self.root)
+        if there is not None and not there.is_dir():
+            raise CacheError(f"compile cache {self.root}: {there} is a file, not a directory; {USE_ANOTHER}")
+
+    def is_marked(self) -> bool:
+        """Whether the root holds this tool's cache directory tag."""
+        try:
+            with open(self.root / MARKER, encoding="utf-8", errors="replace") as f:
+                head = f.read(4096)
+        except OSError:
+            return False
+        return head.startswith(SIGNATURE + "\n") and "eagle3-build" in head
+
+    def _state(self, keep: Iterable[tuple[str, Path]] = ()) -> str:
+        """"absent" (nothing at the root), "empty" (an empty directory: marked on the first write) or "cache"
+        (marked, or the default cache made before the marker: nothing in it but the cache's own names);
+        CacheError for a place `check_place` refuses and for a directory with content but no marker."""
+        self.check_place(keep)
+        if not self.root.exists():
+            return "absent"
+        names = {p.name for p in self.root.iterdir()}
+        names = {n for n in names if not _MARKER_TMP.fullmatch(n)}  # (another builder marking it right now)
+        if self.is_marked() or (names and names <= {*CONTENT, "tmp"} and self.root == _default_root()):
+            return "cache"  # (the marker is read after the listing: what a marking builder wrote follows it)
+        if not names:
+            return "empty"
+        raise CacheError(f"compile cache {self.root} is not empty and is not an eagle3-build cache (no {MARKER} "
+                         f"written by eagle3-build); nothing there was touched: {USE_ANOTHER}")
+
+    def open(self, keep: Iterable[tuple[str, Path]] = ()) -> CompileCache:
+        """Make the root this tool's cache, ready to be written: created and marked when new or empty, refused
+        (CacheError) as `_state` says or when a real write fails there. Every write goes through it."""
+        if not self._open:
+            self._state(keep)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if not self.is_marked():
+                    atomic_write(self.root / MARKER, MARKER_TEXT)
+                self._new_staging().rmdir()  # a real write: permissions, a read-only mount, a full disk
+            except OSError as e:
+                raise self._unwritable(e) from e
+            self._open = True
+        return self
+
+    def existing(self) -> bool:
+        """Whether the root holds a cache to list or clean (False: nothing there, or an empty directory);
+        CacheError as `_state` says, or when it cannot be written."""
+        state = self._state()
+        if state != "absent" and not os.access(self.root, os.W_OK | os.X_OK):  # (a read-only mount: root too)
+            raise self._unwritable(OSError(errno.EACCES, "not writable (permissions, or a read-only filesystem)",
+                                           str(self.root)))
+        return state == "cache"
+
+    def _unwritable(self, e: OSError) -> CacheError:
+        return CacheError(f"compile cache {self.root} cannot be written: {os_error_line(e)}")
 
     def _dir(self, key: str) -> Path:
         return self.root / "graphs" / key[:2] / key
@@ -204,14 +309,13 @@ class CompileCache:
         except (OSError, json.JSONDecodeError):
             self._drop(d)
             return None
-        entry = Entry(key, d, meta)
-        if check:
-            for name, f in meta["files"].items():
-                p = d / name
-                if not p.is_file() or p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
-                    self._drop(d)  # corrupt or partially deleted: recompile
-                    return None
-        return entry
+        try:
+            if check and not _intact(d, meta):
+                self._drop(d)  # corrupt or partially deleted: recompile
+                return None
+        except (FileNotFoundError, NotADirectoryError):  # removed meanwhile (a concurrent prune): a miss
+            return None
+        return Entry(key, d, meta)
 
     def entries(self) -> list[Entry]:
         out = []
@@ -241,12 +345,17 @@ class CompileCache:
 
     # ---- write
     def staging_dir(self) -> Path:
+        return self.open()._new_staging()
+
+    def _new_staging(self) -> Path:
         d = self.root / "tmp" / f"{owner_tag()}-{uuid.uuid4().hex}"
         d.mkdir(parents=True)
         return d
 
     def clean_tmp(self, before: float) -> None:
         """Remove the `tmp/` directories of builders that died (killed mid-compile), see `stale`."""
+        if not self.is_marked():  # (not this tool's cache, or not yet: nothing to clean)
+            return
         try:
             entries = list((self.root / "tmp").iterdir())
         except OSError:
@@ -290,17 +399,25 @@ class CompileCache:
             return None
 
     def put_trace(self, trace_key: str, record: dict) -> None:
-        d = self.root / "traces"
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write(d / f"{trace_key}.json", json.dumps(record, sort_keys=True))
+        self._write(self.root / "traces" / f"{trace_key}.json", json.dumps(record, sort_keys=True))
+
+    def _write(self, path: Path, text: str) -> None:
+        """Write a memo or failure record in the cache (again, when a concurrent `cache clear` removed its
+        directory in between)."""
+        self.open()
+        for attempt in (0, 1):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                return atomic_write(path, text)
+            except FileNotFoundError:
+                if attempt:
+                    raise
 
     # ---- failures (recorded with their log; never used to skip a compile)
     def record_failure(self, key: str, meta: dict, log: str) -> Path:
-        d = self.root / "failures"
-        d.mkdir(parents=True, exist_ok=True)
-        log_path = d / f"{key}.log"
-        atomic_write(log_path, log)
-        atomic_write(d / f"{key}.json", json.dumps({**meta, "key": key, "time": time.time()}, indent=2))
+        log_path = self.root / "failures" / f"{key}.log"
+        self._write(log_path, log)
+        self._write(log_path.with_suffix(".json"), json.dumps({**meta, "key": key, "time": time.time()}, indent=2))
         return log_path
 
     def failure(self, key: str) -> dict | None:
@@ -315,7 +432,7 @@ class CompileCache:
 
     # ---- maintenance
     def _drop(self, d: Path) -> None:
-        trash = self.root / "tmp" / f"drop-{owner_tag()}-{uuid.uuid4().hex}"
+        trash = self.open().root / "tmp" / f"drop-{owner_tag()}-{uuid.uuid4().hex}"
         trash.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(d, trash)
@@ -325,8 +442,11 @@ class CompileCache:
 
     def prune(self, *, older_than_days: float | None = None, max_bytes: int | None = None) -> list[Entry]:
         """Drop entries not used for `older_than_days`, then the least recently used ones until the
-        cache fits in `max_bytes`. Returns what was removed."""
+        cache fits in `max_bytes`. Returns what was removed (nothing where `existing` finds no cache)."""
         self._timings = None
+        if not self.existing():
+            return []
+        self.open()
         entries = sorted(self.entries(), key=lambda e: self.last_used(e))
         removed = []
         now = time.time()
@@ -362,10 +482,14 @@ class CompileCache:
 
     def clear(self) -> int:
         """Remove every entry, trace memo and failure record; of `tmp/`, only what `clean_tmp` removes
-        (another build's staging directories stay: it is still writing into them)."""
+        (another build's staging directories stay: it is still writing into them). Removes nothing where
+        `existing` finds no cache."""
         self._timings = None
+        if not self.existing():
+            return 0
+        self.open()
         n = len(self.entries())
-        for sub in ("graphs", "traces", "failures", "host"):
+        for sub in CONTENT:
             shutil.rmtree(self.root / sub, ignore_errors=True)
         self.clean_tmp(time.time())
         try:

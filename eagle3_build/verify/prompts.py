@@ -121,7 +121,9 @@ def encode_prompts(texts: list[str], root: Path, *, chat: bool) -> list[list[int
     template = ChatTemplate.from_bundle(root)
     if template is None:
         raise VerifyError(f"{root}: --chat needs a chat template and the bundle's tokenizer has none")
-    return [tok.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False) for t in texts]
+    with template:
+        return [tok.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False)
+                for t in texts]
 
 
 def admit_prompts(manifest, texts: list[str], encoded: list[list[int]]) -> None:
