@@ -51,7 +51,11 @@ class DemoError(UserError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLE3_BUILD_CACHE") or Path.home() / ".cache" / "eagle3-build")
+    """The compile cache's directory (created and marked as this tool's: compile/cache.py), which also keeps
+    the demo's downloads (`cache clear` leaves them)."""
+    from .compile.cache import CompileCache
+
+    return CompileCache().open().root
 
 
 def _sha256(path: Path) -> str:

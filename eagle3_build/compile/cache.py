@@ -58,6 +58,7 @@ from ..files import atomic_write, nearest_existing, os_error_line
 KEY_FORMAT = 1
 ENTRY = "entry.json"
 CONTENT = ("graphs", "traces", "failures", "host")  # what `cache clear` removes (tmp/: what builders are writing)
+DOWNLOADS = ("wheels", "gguf")  # the demo target's downloads (demo.py), kept by `cache clear`
 MARKER = "CACHEDIR.TAG"
 SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"  # the first line of every cache directory tag
 MARKER_TEXT = (f"{SIGNATURE}\n# This file is a cache directory tag created by eagle3-build (its compile cache).\n"
@@ -262,7 +263,7 @@ class CompileCache:
             return "absent"
         names = {p.name for p in self.root.iterdir()}
         names = {n for n in names if not _MARKER_TMP.fullmatch(n)}  # (another builder marking it right now)
-        if self.is_marked() or (names and names <= {*CONTENT, "tmp"} and self.root == _default_root()):
+        if self.is_marked() or (names and names <= {*CONTENT, *DOWNLOADS, "tmp"} and self.root == _default_root()):
             return "cache"  # (the marker is read after the listing: what a marking builder wrote follows it)
         if not names:
             return "empty"
