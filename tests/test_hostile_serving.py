@@ -223,6 +223,7 @@ def serve_main(capsys, *argv: str) -> tuple[int, list[str]]:
     ("syntax error", "{% if %}", None, "does not compile"),
     ("raises on every conversation", "{{ raise_exception('no chat here') }}", None, "no chat here"),
     ("sandbox escape", "{{ ''.__class__.__mro__ }}", None, "SecurityError"),
+    ("300 MB from 20 bytes", "{{ 'y' * 300000000 }}", None, "MemoryError"),  # (jinja2 folds it while compiling)
     ("tokenizer_config.json not JSON", None, "{not json", "tokenizer_config.json: not valid JSON"),
 ])
 def test_a_bundle_whose_template_cannot_render_is_refused_at_start(bundle, tmp_path, capsys, case, template,
