@@ -261,22 +261,26 @@ async def scrape_spec(client: httpx.AsyncClient, base_url: str) -> tuple[dict | 
 
 
 def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The speculative-decoding block of one run: the difference of the server's counters, with the
+    runtime's own acceptance formulas (eagle3_runtime.metrics.SpecStats)."""
+    from eagle3_runtime.metrics import SpecStats
+
     if before is None or after is None:
         return None
-    drafts = after["num_drafts"] - before["num_drafts"]
-    draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     positions = sorted(set(before["per_pos"]) | set(after["per_pos"]))
-    per_pos = [after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0) for p in positions]
+    stats = SpecStats(len(positions), *(int(round(after[k] - before[k])) for k in
+                                        ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
+                      [int(round(after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0))) for p in positions])
+    drafted = stats.num_drafts > 0
     return {
         "metric_prefix": after.get("metric_prefix"),
-        "num_drafts": int(round(drafts)),
-        "num_draft_tokens": int(round(draft_tokens)),
-        "num_accepted_tokens": int(round(accepted)),
-        "accepted_per_pos": {str(p): int(round(v)) for p, v in zip(positions, per_pos)},
-        "acceptance_rate": accepted / draft_tokens * 100 if draft_tokens > 0 else None,
-        "acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
-        "per_position_acceptance": {str(p): v / drafts * 100 for p, v in zip(positions, per_pos)} if drafts > 0 else {},
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "accepted_per_pos": {str(p): n for p, n in zip(positions, stats.accepted_per_position)},
+        "acceptance_rate": 100 * stats.acceptance_rate if stats.num_draft_tokens > 0 else None,
+        "acceptance_length": stats.mean_acceptance_length if drafted else None,
+        "per_position_acceptance": {str(p): 100 * r for p, r in zip(positions, stats.per_position)} if drafted else {},
     }
 
 

@@ -10,7 +10,7 @@ On one tiny pair (make-tiny-pair, K 3, one prefill bucket, batch 1: 6 graphs):
      (both through the runtime Engine, speculative and plain) vs transformers eager `generate()`, float32.
      Measured by spec_report.py's measure_runtime / measure_transformers (decode tok/s = tokens after the
      first / time after the first; per prompt the median of --repeats passes).
-Goals (issue 5): jobs 2 >= 1.6x faster than jobs 1 on 2 cores; aoti decode >= 3x transformers eager.
+Goals: jobs 2 >= 1.6x faster than jobs 1 on 2 cores; aoti decode >= 3x transformers eager.
 Prints a table and writes JSON.
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ max_tokens; see "Method" below for the details):
      with an EMPTY compile cache (a new temporary $EAGLE3_BUILD_CACHE) and then loads it and produces
      the first token (what a serve-time compile such as vLLM-Neuron's warm-up costs).
 
-Goals (issue 8): speculation vs no speculation >= 1.6x at the best shape; runtime vs transformers eager
+Goals: speculation vs no speculation >= 1.6x at the best shape; runtime vs transformers eager
 >= 3x; cold start vs compile-then-load >= 20x. Prints a table, writes JSON (--save-result) and a PNG
 (--plot: decode tok/s, acceptance length, per-depth acceptance and verify / draft ms per shape, cold
 start; needs matplotlib). Ratios also reported: the best shape vs chain K 3 (when in the set).

@@ -112,7 +112,7 @@ def compile_cmd(
     from .build import build_bundle, check_out
     from .compile.cache import CompileCache
     from .compile.scheduler import CompileFailed
-    from .progress import JsonReporter, RichReporter, emit
+    from .progress import emit, progress_reporter
 
     cache = CompileCache(cache_dir)
     dests = [] if shard_ix is not None else [out or artifacts / p.name for p in pairs]
@@ -127,7 +127,7 @@ def compile_cmd(
         for p in pairs:
             dest = out or artifacts / p.name
             t0 = time.perf_counter()
-            reporter = JsonReporter(p.name) if as_json else RichReporter(p.name, console)
+            reporter = progress_reporter(p.name, console, as_json)
             if shard_ix is not None:
                 failed_any |= not _compile_shard(p, shard_ix, reporter, cache, jobs, as_json)
                 continue
@@ -578,7 +578,7 @@ def make_tiny_pair_cmd(
     target_format: str = typer.Option("hf", "--target-format",
                                       help="llama: hf | gguf (the recipe then uses target.gguf); "
                                            "gpt-oss: hf (BF16) | mxfp4 (experts as *_blocks/*_scales)"),
-    arch: str = typer.Option("llama", "--arch", help="llama | gpt-oss (the seed-003 twin)"),
+    arch: str = typer.Option("llama", "--arch", help="llama | gpt-oss (a scaled-down twin of the GPT-OSS-120B seed)"),
 ):
     """Write a random tiny target (Llama or GPT-OSS), a tiny EAGLE3 draft and a recipe for them."""
     from .testing.tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, TARGET_FORMATS, make_tiny_pair

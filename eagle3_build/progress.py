@@ -1,5 +1,6 @@
-"""Build progress for people (rich: one row per graph, an ETA learned from the compile cache) and
-for CI logs (`--json`: one JSON object per line on stdout)."""
+"""Build progress for people (rich on a terminal: one row per graph, an ETA learned from the compile cache),
+for logs (a plain line per stage and per graph done, when stderr is not a terminal: a piped `make demo` or a
+CI log) and for machines (`--json`: one JSON object per line on stdout)."""
 from __future__ import annotations
 
 import json
@@ -99,6 +100,47 @@ class RichReporter:
             t.add_row(f"  {name}", Text(g["status"], style=STYLE.get(g["status"], "")),
                       f"{took} / ~{fmt_s(g['estimate'])}" if g["status"] == "compiling" else (g.get("error") or ""))
         return Group(head, t)
+
+
+class LineReporter:
+    """A plain line per stage and per graph that is done (compiled, cached, failed, retried), with the
+    counts and the ETA: what a log needs, since a live view draws nothing there."""
+
+    DONE = ("compiled", "cached", "failed", "retrying")
+
+    def __init__(self, pair: str, console: Console):
+        self.state, self.console = BuildState(pair), console
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def __call__(self, ev: dict) -> None:
+        s = self.state
+        s.update(ev)
+        if ev["event"] == "stage":
+            line = f"{s.pair}: {s.stage}" + (f" ({s.total} graphs, {s.jobs} job{'s' * (s.jobs > 1)})"
+                                            if ev.get("total") else "")
+        elif ev["event"] == "graph" and ev["status"] in self.DONE:
+            g, done = s.graphs[ev["graph"]], s.count("cached") + s.count("compiled")
+            took = f" in {fmt_s(time.perf_counter() - g['started'])}" if ev["status"] == "compiled" and "started" in g \
+                else ""
+            eta = s.eta()
+            line = (f"{s.pair}: {ev['graph']} {ev['status']}{took}{': ' + ev['error'] if ev.get('error') else ''} "
+                    f"({done}/{s.total} done, elapsed {fmt_s(time.perf_counter() - s.t0)}"
+                    f"{', ETA ' + fmt_s(eta) if eta is not None else ''})")
+        else:
+            return
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def progress_reporter(pair: str, console: Console, as_json: bool):
+    """The reporter for this output: JSON lines, a live view on a terminal, plain lines otherwise."""
+    if as_json:
+        return JsonReporter(pair)
+    return RichReporter(pair, console) if console.is_terminal else LineReporter(pair, console)
 
 
 class JsonReporter:

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if bundle is None:  # a TP worker rank: the driver has finished
             return 0
         tok, template = bundle.text
-        engine = Engine(bundle, detokenize=tok.decode)
+        engine = Engine(bundle, tokenizer=tok)
         try:
             prompt_ids = _prompt_ids(tok, template, args.prompt, args.chat)
             gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)

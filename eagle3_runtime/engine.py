@@ -39,8 +39,9 @@ from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
 from .manifest import SpecShape, can_speculate, torch_dtype
-from .metrics import Metrics
+from .metrics import Metrics, SpecStats
 from .sampling import SamplingParams, next_token, verify_tree_sampled
+from .tokenizer import BundleTokenizer, TextStream
 from .tree import Drafting, Tree, accept_greedy, dummy_tree
 
 
@@ -75,75 +76,6 @@ def describe_error(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     line = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
     return line if len(line) <= 300 else line[:297] + "..."
-
-
-@dataclass
-class SpecStats:
-    """Speculative-decoding counters, reported in vLLM's format."""
-
-    k: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # per depth
-    per_shape: dict[str, list[int]] = field(default_factory=dict)  # shape -> [rounds, accepted tokens]
-
-    def __post_init__(self):
-        if not self.accepted_per_position:
-            self.accepted_per_position = [0] * self.k
-
-    def record(self, accepted: int, drafted: int | None = None, shape: str | None = None) -> None:
-        """One speculative round: `accepted` draft tokens of `drafted` (default k: a chain) verified, in
-        the speculation shape named `shape` (SpecShape.describe())."""
-        self.num_drafts += 1
-        self.num_draft_tokens += self.k if drafted is None else drafted
-        self.num_accepted_tokens += accepted
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
-        if shape is not None:
-            rounds = self.per_shape.setdefault(shape, [0, 0])
-            rounds[0] += 1
-            rounds[1] += accepted
-
-    def add(self, other: "SpecStats") -> None:
-        """Fold another generation's counters (same K) into these: totals over a prompt set."""
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
-        for name, (n, a) in other.per_shape.items():
-            mine = self.per_shape.setdefault(name, [0, 0])
-            mine[0] += n
-            mine[1] += a
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def per_position(self) -> list[float]:
-        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
-
-    def to_dict(self) -> dict:
-        return {"num_speculative_tokens": self.k, "num_drafts": self.num_drafts,
-                "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
-                "mean_acceptance_length": self.mean_acceptance_length,
-                "per_position_acceptance_rate": self.per_position,
-                "per_shape": {name: {"num_drafts": n, "mean_acceptance_length": 1 + a / n}
-                              for name, (n, a) in self.per_shape.items()}}
-
-    def format(self) -> str:
-        pos = ", ".join(f"{r:.3f}" for r in self.per_position)
-        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
-                f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
-                f"Per-position acceptance rate: {pos}, Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%"
-                + "".join(f"; {name}: {n} rounds, acceptance length {1 + a / n:.2f}"
-                          for name, (n, a) in self.per_shape.items()))
 
 
 @dataclass
@@ -187,8 +119,7 @@ class Sequence:
     draft_hidden: torch.Tensor | None = None
     gap: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (aux, next token) the draft has not seen
     finish_reason: str | None = None
-    text: str = ""
-    text_sent: int = 0
+    text_stream: "TextStream | None" = None  # the text so far (with a tokenizer)
     first_token_time: float | None = None
 
     @property
@@ -235,7 +166,7 @@ def check_request(n_prompt: int, max_tokens: int, largest_prefill: int, max_mode
 
 
 class Engine:
-    def __init__(self, bundle: Bundle, *, detokenize: Callable[[list[int]], str] | None = None,
+    def __init__(self, bundle: Bundle, *, tokenizer: BundleTokenizer | None = None,
                  speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None,
                  on_dead: Callable[[str], None] | None = None):
         self.bundle = bundle
@@ -244,7 +175,7 @@ class Engine:
         self.prefill_buckets, self.batch_buckets = m.prefill_buckets, m.batch_buckets
         self.shapes: dict[int, SpecShape] = dict(m.speculation)
         self.eos = set(m.eos_token_ids)
-        self.detokenize = detokenize
+        self.tokenizer = tokenizer  # (None: token ids only, no text)
         self.speculative = speculative
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
@@ -389,7 +320,8 @@ class Engine:
             self._on_finish = None
         seq = holder[0]
         ttft = seq.first_token_time - t0 if seq.first_token_time is not None else None
-        return Generation(list(prompt_ids), seq.generated, seq.text, seq.finish_reason, seq.stats,
+        text = seq.text_stream.text if seq.text_stream is not None else ""
+        return Generation(list(prompt_ids), seq.generated, text, seq.finish_reason, seq.stats,
                           time.perf_counter() - t0, self.target_passes - passes0, ttft)
 
     _on_finish: Callable[[Sequence], None] | None = None
@@ -575,22 +507,12 @@ class Engine:
                 break
         self.metrics.generation_tokens.inc(len(added))
         delta = ""
-        if self.detokenize is not None:
-            text = self.detokenize(seq.generated)
-            if seq.req.stop:
-                hits = [(text.find(s), s) for s in seq.req.stop if s and text.find(s) >= 0]
-                if hits:
-                    text = text[:min(hits)[0]]
-                    seq.finish_reason = "stop"
-            seq.text = text
-            hold = 0
-            if seq.finish_reason is None:
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                    hold = len(text) - len(text.rstrip("\ufffd"))
-                if seq.req.stop:  # never stream the beginning of a stop string
-                    hold = max(hold, max(len(s) for s in seq.req.stop) - 1)
-            upto = max(seq.text_sent, len(text) - hold)
-            delta, seq.text_sent = text[seq.text_sent:upto], upto
+        if self.tokenizer is not None:  # incremental: O(1) amortised per token (tokenizer.TextStream)
+            if seq.text_stream is None:
+                seq.text_stream = self.tokenizer.stream(seq.req.stop)
+            delta, stopped = seq.text_stream.add(added, seq.generated if seq.finish_reason else None)
+            if stopped:
+                seq.finish_reason = "stop"
         if seq.req.on_event and (added or seq.finish_reason):
             seq.req.on_event(Event(added, delta, seq.finish_reason))
 

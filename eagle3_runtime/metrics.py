@@ -1,9 +1,83 @@
-"""Prometheus metrics of the engine and the HTTP server (names follow vLLM's, prefixed eagle3_)."""
+"""Speculative-decoding counters (SpecStats: the one implementation of the acceptance formulas, read by
+requests, /metrics, benchmarks, training and tests) and the Prometheus metrics of the engine and the HTTP
+server (names follow vLLM's, prefixed eagle3_)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 disable_created_metrics()  # no *_created series: they only double the scrape size
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters (one generation, or totals), reported in vLLM's format."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # per depth
+    per_shape: dict[str, list[int]] = field(default_factory=dict)  # shape -> [rounds, accepted tokens]
+
+    def __post_init__(self):
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.k
+
+    def record(self, accepted: int, drafted: int | None = None, shape: str | None = None) -> None:
+        """One speculative round: `accepted` draft tokens of `drafted` (default k: a chain) verified, in
+        the speculation shape named `shape` (SpecShape.describe())."""
+        self.num_drafts += 1
+        self.num_draft_tokens += self.k if drafted is None else drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        if shape is not None:
+            rounds = self.per_shape.setdefault(shape, [0, 0])
+            rounds[0] += 1
+            rounds[1] += accepted
+
+    def add(self, other: "SpecStats") -> None:
+        """Fold another generation's counters (same K) into these: totals over a prompt set."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        for name, (n, a) in other.per_shape.items():
+            mine = self.per_shape.setdefault(name, [0, 0])
+            mine[0] += n
+            mine[1] += a
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
+
+    def to_dict(self) -> dict:
+        return {"num_speculative_tokens": self.k, "num_drafts": self.num_drafts,
+                "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_acceptance_rate": self.per_position,
+                "per_shape": {name: {"num_drafts": n, "mean_acceptance_length": 1 + a / n}
+                              for name, (n, a) in self.per_shape.items()}}
+
+    def format(self) -> str:
+        pos = ", ".join(f"{r:.3f}" for r in self.per_position)
+        return (f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+                f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {pos}, Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%"
+                + "".join(f"; {name}: {n} rounds, acceptance length {1 + a / n:.2f}"
+                          for name, (n, a) in self.per_shape.items()))
+
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -41,8 +115,7 @@ class Metrics:
                                        ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("eagle3_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self._drafts = self._accepted = self._drafted = 0
-        self._per_pos = [0] * k
+        self.spec = SpecStats(k)  # the totals behind the gauges
         for i in range(k):
             self.accepted_per_pos.labels(str(i))
             self.per_pos_rate.labels(str(i))
@@ -53,19 +126,16 @@ class Metrics:
         if shape is not None:
             self.shape_drafts.labels(shape).inc()
             self.shape_accepted.labels(shape).inc(accepted)
-        self._drafts += 1
-        self._accepted += accepted
-        self._drafted += self.k if drafted is None else drafted
+        self.spec.record(accepted, drafted)
         self.num_drafts.inc()
         self.num_draft_tokens.inc(self.k if drafted is None else drafted)
         self.num_accepted.inc(accepted)
         for i in range(accepted):
-            self._per_pos[i] += 1
             self.accepted_per_pos.labels(str(i)).inc()
-        self.acceptance_rate.set(self._accepted / self._drafted)
-        self.acceptance_length.set(1 + self._accepted / self._drafts)
-        for i in range(self.k):
-            self.per_pos_rate.labels(str(i)).set(self._per_pos[i] / self._drafts)
+        self.acceptance_rate.set(self.spec.acceptance_rate)
+        self.acceptance_length.set(self.spec.mean_acceptance_length)
+        for i, rate in enumerate(self.spec.per_position):
+            self.per_pos_rate.labels(str(i)).set(rate)
 
     def record_graph(self, role: str, bucket: int, seconds: float) -> None:
         self.graph_latency.labels(role, str(bucket)).observe(seconds)

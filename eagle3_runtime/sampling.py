@@ -124,12 +124,13 @@ def _check_shapes(logits: Tensor, drafts: list[int]) -> None:
 
 
 def verify_greedy(logits: Tensor, drafts: list[int]) -> tuple[int, list[int]]:
-    """Accept the longest prefix with d_{i+1} == argmax(logits[i]); returns (a, d_1..d_a + argmax at a)."""
+    """A chain's greedy acceptance (tree.accept_greedy on the chain: the longest prefix with
+    d_{i+1} == argmax(logits[i])); returns (a, d_1..d_a + argmax at a)."""
+    from .tree import accept_greedy, chain_tree
+
     _check_shapes(logits, drafts)
     g = logits.argmax(-1).tolist()
-    a = 0
-    while a < len(drafts) and drafts[a] == g[a]:
-        a += 1
+    a = len(accept_greedy(chain_tree(drafts), g)) - 1
     return a, list(drafts[:a]) + [g[a]]
 
 

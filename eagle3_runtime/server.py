@@ -65,7 +65,7 @@ class Server:
                  model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = 30.0):
         self.bundle = bundle
         self.tokenizer, self.chat = bundle.text or load_text(bundle.root)
-        self.engine = Engine(bundle, detokenize=self.tokenizer.decode, speculative=speculative, max_queue=max_queue,
+        self.engine = Engine(bundle, tokenizer=self.tokenizer, speculative=speculative, max_queue=max_queue,
                              on_dead=self._engine_died)
         self.model_name = model_name or bundle.manifest.name
         self.created = int(time.time())

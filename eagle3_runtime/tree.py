@@ -120,8 +120,13 @@ class Drafting:
 def dummy_tree(shape: SpecShape, token: int) -> Tree:
     """The tree of a row that does not speculate this round: its pending token at node 0 (which sees
     only itself); the other nodes are chained behind it and ignored."""
-    N = shape.num_nodes
-    return Tree([token] + [0] * (N - 1), [-1] + list(range(N - 1)), list(range(N)))
+    return chain_tree([0] * (shape.num_nodes - 1), token)
+
+
+def chain_tree(drafts: list[int], root: int = 0) -> Tree:
+    """A chain of draft tokens behind the root, as a tree (topk 1)."""
+    n = len(drafts) + 1
+    return Tree([root, *drafts], [-1, *range(n - 1)], list(range(n)))
 
 
 def accept_greedy(tree: Tree, argmax: list[int]) -> list[int]:

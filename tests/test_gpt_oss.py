@@ -1,4 +1,4 @@
-"""GPT-OSS targets (seed 003) on the scaled-down twin (`make-tiny-pair --arch gpt-oss`).
+"""GPT-OSS targets (the GPT-OSS-120B seed) on the scaled-down twin (`make-tiny-pair --arch gpt-oss`).
 
 * MXFP4 dequantization is transformers' to the bit, also when streamed one expert at a time, and the
   twin's MXFP4 checkpoint reads as exactly its BF16 one;

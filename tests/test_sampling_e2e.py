@@ -300,10 +300,7 @@ def run_trials(engine, n: int, seed0: int = 0):
             assert toks[-1] == EOS and gen.finish_reason == "stop", (toks, gen.finish_reason)
         assert EOS not in toks[:-1]
         s = gen.stats
-        total.num_drafts += s.num_drafts
-        total.num_draft_tokens += s.num_draft_tokens
-        total.num_accepted_tokens += s.num_accepted_tokens
-        total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, s.accepted_per_position)]
+        total.add(s)
         outs.append(toks)
     return outs, total
 

@@ -1,4 +1,4 @@
-"""Tests for the GGUF form of the tiny target: eagle3_build.tiny.write_gguf / make_tiny_pair(target_format="gguf").
+"""Tests for the GGUF form of the tiny target: eagle3_build.testing.gguf / tiny.make_tiny_pair(target_format="gguf").
 
 The GGUF file must round-trip through transformers' own GGUF loader
 (``from_pretrained(dir, gguf_file=...)``): same logits as the HF-dir model, same greedy generations,

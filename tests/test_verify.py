@@ -218,19 +218,21 @@ def test_lossless_mismatch_is_located(pairs, tmp_path):
 
 def test_near_tie_tolerance():
     """A flip between two logits closer than the dtype's tolerance passes; a clear one does not."""
-    from eagle3_build.verify import VerifyReport, _check_continuation, _compare, _Ref, near_tie_tolerance
+    from eagle3_build.verify import VerifyReport, near_tie_tolerance
+    from eagle3_build.verify.compare import check_continuation, compare
+    from eagle3_build.verify.reference import Reference
     from eagle3_runtime.engine import SpecStats
 
     logits = torch.zeros(3, 8)
     logits[:, 1] = 10.0
     logits[1, 5] = 10.0 - 5e-4  # a float32 near-tie at step 1 (tolerance 1e-4 * 10 = 1e-3)
-    ref = _Ref([1, 1, 1], logits)
-    tie = _compare("p", [0], ref, [1, 5, 2], "float32")
+    ref = Reference([1, 1, 1], logits)
+    tie = compare("p", [0], ref, [1, 5, 2], "float32")
     assert tie.first_mismatch == 1 and tie.near_tie and tie.ok and tie.position == 2
     assert tie.top2_margin == pytest.approx(5e-4, rel=1e-3) and tie.tolerance == pytest.approx(1e-3)
-    clear = _compare("p", [0], ref, [1, 1, 4], "float32")
+    clear = compare("p", [0], ref, [1, 1, 4], "float32")
     assert clear.first_mismatch == 2 and not clear.ok and clear.gap == pytest.approx(10.0)
-    short = _compare("p", [0], ref, [1, 1], "float32")  # stopped early: a real mismatch
+    short = compare("p", [0], ref, [1, 1], "float32")  # stopped early: a real mismatch
     assert short.first_mismatch == 2 and not short.ok and short.gap is None
     assert near_tie_tolerance("bfloat16", -20.0) == pytest.approx(1.0)
     assert near_tie_tolerance("float32", 0.1) == pytest.approx(1e-4)
@@ -245,16 +247,16 @@ def test_near_tie_tolerance():
     rows = torch.zeros(3, 8)
     rows[:, 1] = 10.0
     rows[2, 3] = 10.0 - 5e-4  # token 3 is a near-tie at step 2 too
-    tie3 = _compare("p", [0], ref, [1, 5, 3], "float32")
-    _check_continuation(Teacher(rows), tie3, "float32")
+    tie3 = compare("p", [0], ref, [1, 5, 3], "float32")
+    check_continuation(Teacher(rows), tie3, "float32")
     assert tie3.ok and tie3.near_tie_flips == 2 and tie3.compared == 3 and tie3.later_mismatch is None
-    tie4 = _compare("p", [0], ref, [1, 5, 4], "float32")
-    _check_continuation(Teacher(rows), tie4, "float32")
+    tie4 = compare("p", [0], ref, [1, 5, 4], "float32")
+    check_continuation(Teacher(rows), tie4, "float32")
     assert not tie4.ok and tie4.later_mismatch == 2 and tie4.later_gap == pytest.approx(10.0) and tie4.compared == 2
     # more than half the prompts parting at near-ties is systematic when both sides run float32
     report = VerifyReport(bundle="b", reference="r", dtype="float32", reference_dtype="float32",
                           num_speculative_tokens=3, max_tokens=3, min_acceptance_length=None,
-                          prompts=[tie, tie, tie, _compare("p", [0], ref, [1, 1, 1], "float32")],
+                          prompts=[tie, tie, tie, compare("p", [0], ref, [1, 1, 1], "float32")],
                           acceptance=SpecStats(3))
     assert not report.lossless_ok and "near-ties" in report.failures()[0]
     report.prompts.append(short)

@@ -4,7 +4,7 @@
 
 Dev tool, NOT part of the product or of `make test`: runs in .venv-xla (torch 2.9 + torch-xla 2.9 +
 transformers 4.57, the Neuron SDK's stack). It makes the tiny Llama pair and the GPT-OSS twin with
-tp_degree 2 (eagle3_build.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
+tp_degree 2 (eagle3_build.testing.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
 build_models, backend neuron) and runs the product's own SPMD path: build._write_spmd_bundle builds each
 model's ModelGraphs and calls NeuronBackend.compile_model, unchanged. Only the SDK is replaced:
 

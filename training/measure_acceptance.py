@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     held = load_split(data)
     bundle, _ = open_bundle(args.bundle)
     tok, template = bundle.text  # (the chat template renders in its own worker processes)
-    engine = Engine(bundle, detokenize=tok.decode)
+    engine = Engine(bundle, tokenizer=tok)
     total = SpecStats(engine.K)
     rows, t_spec, t_plain, n_spec = [], 0.0, 0.0, 0
     for prompt, seq in list(zip(held["prompts"], held["seqs"]))[:args.prompts]:
@@ -52,10 +52,7 @@ def main(argv=None) -> int:
         t_spec += g.seconds
         n_spec += len(g.token_ids)
         s = g.stats
-        total.num_drafts += s.num_drafts
-        total.num_draft_tokens += s.num_draft_tokens
-        total.num_accepted_tokens += s.num_accepted_tokens
-        total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, s.accepted_per_position)]
+        total.add(s)
         row = {"prompt": prompt, "tokens": len(g.token_ids), "acceptance_length": round(s.mean_acceptance_length, 3)}
         if not args.no_plain:
             p = engine.generate(ids, args.max_tokens, speculative=False)

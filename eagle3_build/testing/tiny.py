@@ -37,7 +37,7 @@ weights reading the residual stream are scaled by ``sqrt(64 / hidden)``.
 intermediate = hidden = 90 (GPT-OSS 2880 / 32, padded to 96 = 3072 / 32), stored in BF16 -- or, with
 ``target_format="mxfp4"``, hidden 96 with the experts as MXFP4 ``*_blocks`` / ``*_scales`` (MXFP4 packs
 32 values along each expert's input dim, so 90 cannot be stored that way) --, a speculators draft with
-``norm_before_fc`` and the same f / f∘f structure, and a recipe shaped like seed 003 (K 1,
+``norm_before_fc`` and the same f / f∘f structure, and a recipe shaped like the GPT-OSS-120B seed system (K 1,
 max_num_seqs 1, one prefill bucket).
 
 No global RNG state is touched: all randomness comes from one seeded ``torch.Generator``.
@@ -535,7 +535,7 @@ def _write_recipe(
         par.append(f"padded_hidden_size: {int(padded_hidden_size)}")
     parallel = f"    parallel: {{{', '.join(par)}}}\n" if par else ""
     text = (
-        f"# {header} (eagle3_build.tiny.make_tiny_pair)\n"
+        f"# {header} (written by `eagle3-build make-tiny-pair`)\n"
         "pairs:\n"
         f"  - name: {name or f'tiny-llama-{fmt}'}\n"
         f"    target: {target}\n"
@@ -702,7 +702,7 @@ def _make_tiny_gpt_oss_pair(out: Path, *, draft_format: str, seed: int, num_spec
                             max_model_len: int, dtype: str, target_format: str, hidden_size: int | None,
                             padded_hidden_size: int | None, tp_degree: int) -> Path:
     if draft_format != "speculators":
-        raise ValueError(f"the GPT-OSS twin's draft is speculators-format (as seed 003), got {draft_format!r}")
+        raise ValueError(f"the GPT-OSS twin's draft is speculators-format (as the GPT-OSS-120B seed's), got {draft_format!r}")
     if target_format not in GPT_OSS_TARGET_FORMATS:
         raise ValueError(f"target_format for gpt-oss must be one of {GPT_OSS_TARGET_FORMATS}, got {target_format!r}")
     mxfp4 = target_format == "mxfp4"
@@ -734,7 +734,7 @@ def _make_tiny_gpt_oss_pair(out: Path, *, draft_format: str, seed: int, num_spec
     _write_recipe(recipe, "speculators", dtype=dtype, k=num_speculative_tokens, max_model_len=max_model_len,
                   tp_degree=tp_degree, padded_hidden_size=padded_hidden_size,
                   name="tiny-gpt-oss" + ("-mxfp4" if mxfp4 else ""), prefill_buckets=(64,),
-                  header=f"tiny random GPT-OSS target ({'MXFP4' if mxfp4 else 'BF16'}) + EAGLE3 draft, seed-003 shape")
+                  header=f"tiny random GPT-OSS target ({'MXFP4' if mxfp4 else 'BF16'}) + EAGLE3 draft, shaped like the GPT-OSS-120B seed")
     return recipe
 
 
@@ -782,7 +782,7 @@ def make_tiny_pair(
 
     ``arch="gpt-oss"`` writes the GPT-OSS twin instead (``gpt_oss_structure``): a BF16 (``target_format
     "hf"``, hidden 90) or MXFP4 (``"mxfp4"``, hidden 96: MXFP4 needs multiples of 32) GPT-OSS target, a
-    speculators draft with ``norm_before_fc`` and a recipe mirroring seed 003 (K 1 by default,
+    speculators draft with ``norm_before_fc`` and a recipe mirroring the GPT-OSS-120B seed system (K 1 by default,
     max_num_seqs 1, one prefill bucket). The options below are the Llama pair's.
 
     The checkpoint files are always float32; ``dtype`` is the build dtype written into the recipe.

@@ -25,11 +25,11 @@ from pathlib import Path
 from eagle3_runtime.tp import set_threads
 
 from ..errors import UserError
-from .compare import NEAR_TIE_REL, PromptResult, check_continuation, compare, near_tie_tolerance
+from .compare import NEAR_TIE_REL, PromptResult, near_tie_tolerance
 from .diagnose import CAUSES, Diagnosis, diagnose_draft
 from .errors import VerifyError
 from .prompts import BUILTIN_PROMPTS, load_prompts
-from .reference import Reference, load_reference
+from .reference import load_reference
 from .report import VerifyReport, render_report
 from .run import read_bundle_manifest, recorded_settings, skip_reason, verify_bundle
 
@@ -50,9 +50,6 @@ __all__ = [
     "skip_reason",
     "verify_bundle",
 ]
-
-# the names tests/test_verify.py imports from here
-_Ref, _compare, _check_continuation = Reference, compare, check_continuation
 
 
 def run_verify(bundle_dir: str | Path, console, pair=None, **overrides) -> bool:

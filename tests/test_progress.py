@@ -1,0 +1,31 @@
+"""Build progress where nobody watches a terminal: a piped compile (`make demo | tee`, a CI log) gets a plain
+line per stage and per graph done; a terminal gets the live view; --json gets JSON lines."""
+from io import StringIO
+
+from rich.console import Console
+
+from eagle3_build.progress import JsonReporter, LineReporter, RichReporter, progress_reporter
+
+
+def test_a_log_gets_a_line_per_stage_and_per_graph_done():
+    out = StringIO()
+    r = progress_reporter("p", Console(file=out, force_terminal=False, width=200), as_json=False)
+    assert isinstance(r, LineReporter)
+    with r:
+        r({"event": "stage", "stage": "graphs", "total": 3, "jobs": 2})
+        for g in ("a", "b", "c"):
+            r({"event": "graph", "graph": g, "status": "queued", "estimate": 10.0})
+        r({"event": "graph", "graph": "a", "status": "compiling", "estimate": 10.0})
+        r({"event": "graph", "graph": "a", "status": "compiled"})
+        r({"event": "graph", "graph": "b", "status": "cached"})
+        r({"event": "graph", "graph": "c", "status": "failed", "error": "RuntimeError: boom"})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "p: graphs (3 graphs, 2 jobs)"
+    assert lines[1].startswith("p: a compiled in 0s (1/3 done, elapsed") and "ETA" in lines[1]
+    assert lines[2].startswith("p: b cached (2/3 done") and lines[3].startswith("p: c failed: RuntimeError: boom")
+    assert len(lines) == 4  # (queued and compiling are not lines)
+
+
+def test_a_terminal_gets_the_live_view_and_json_gets_json():
+    assert isinstance(progress_reporter("p", Console(file=StringIO(), force_terminal=True), False), RichReporter)
+    assert isinstance(progress_reporter("p", Console(file=StringIO(), force_terminal=False), True), JsonReporter)
