@@ -103,37 +103,48 @@ class RichReporter:
 
 
 class LineReporter:
-    """A plain line per stage and per graph that is done (compiled, cached, failed, retried), with the
-    counts and the ETA: what a log needs, since a live view draws nothing there."""
+    """A plain line per stage finished and per graph done (compiled, cached, failed, retried), with the
+    counts and the ETA: what a log needs, since a live view draws nothing there. A stage is reported when it
+    ends, so a build refused while loading prints only its one error line."""
 
     DONE = ("compiled", "cached", "failed", "retrying")
 
     def __init__(self, pair: str, console: Console):
         self.state, self.console = BuildState(pair), console
+        self.stage_t0: float | None = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        return None
+        if exc[0] is None:
+            self._stage_done()
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    def _stage_done(self) -> None:
+        if self.stage_t0 is not None:
+            self._print(f"{self.state.pair}: {self.state.stage} done in {fmt_s(time.perf_counter() - self.stage_t0)}")
 
     def __call__(self, ev: dict) -> None:
         s = self.state
-        s.update(ev)
         if ev["event"] == "stage":
-            line = f"{s.pair}: {s.stage}" + (f" ({s.total} graphs, {s.jobs} job{'s' * (s.jobs > 1)})"
-                                            if ev.get("total") else "")
-        elif ev["event"] == "graph" and ev["status"] in self.DONE:
+            self._stage_done()
+            s.update(ev)
+            self.stage_t0 = time.perf_counter()
+            if ev.get("total"):
+                self._print(f"{s.pair}: {s.stage} ({s.total} graphs, {s.jobs} job{'s' * (s.jobs > 1)})")
+            return
+        s.update(ev)
+        if ev["event"] == "graph" and ev["status"] in self.DONE:
             g, done = s.graphs[ev["graph"]], s.count("cached") + s.count("compiled")
             took = f" in {fmt_s(time.perf_counter() - g['started'])}" if ev["status"] == "compiled" and "started" in g \
                 else ""
             eta = s.eta()
-            line = (f"{s.pair}: {ev['graph']} {ev['status']}{took}{': ' + ev['error'] if ev.get('error') else ''} "
-                    f"({done}/{s.total} done, elapsed {fmt_s(time.perf_counter() - s.t0)}"
-                    f"{', ETA ' + fmt_s(eta) if eta is not None else ''})")
-        else:
-            return
-        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            self._print(f"{s.pair}: {ev['graph']} {ev['status']}{took}{': ' + ev['error'] if ev.get('error') else ''} "
+                        f"({done}/{s.total} done, elapsed {fmt_s(time.perf_counter() - s.t0)}"
+                        f"{', ETA ' + fmt_s(eta) if eta is not None else ''})")
 
 
 def progress_reporter(pair: str, console: Console, as_json: bool):

@@ -12,6 +12,7 @@ def test_a_log_gets_a_line_per_stage_and_per_graph_done():
     r = progress_reporter("p", Console(file=out, force_terminal=False, width=200), as_json=False)
     assert isinstance(r, LineReporter)
     with r:
+        r({"event": "stage", "stage": "load"})
         r({"event": "stage", "stage": "graphs", "total": 3, "jobs": 2})
         for g in ("a", "b", "c"):
             r({"event": "graph", "graph": g, "status": "queued", "estimate": 10.0})
@@ -20,10 +21,22 @@ def test_a_log_gets_a_line_per_stage_and_per_graph_done():
         r({"event": "graph", "graph": "b", "status": "cached"})
         r({"event": "graph", "graph": "c", "status": "failed", "error": "RuntimeError: boom"})
     lines = out.getvalue().splitlines()
-    assert lines[0] == "p: graphs (3 graphs, 2 jobs)"
-    assert lines[1].startswith("p: a compiled in 0s (1/3 done, elapsed") and "ETA" in lines[1]
-    assert lines[2].startswith("p: b cached (2/3 done") and lines[3].startswith("p: c failed: RuntimeError: boom")
-    assert len(lines) == 4  # (queued and compiling are not lines)
+    assert lines[0] == "p: load done in 0s" and lines[1] == "p: graphs (3 graphs, 2 jobs)"
+    assert lines[2].startswith("p: a compiled in 0s (1/3 done, elapsed") and "ETA" in lines[2]
+    assert lines[3].startswith("p: b cached (2/3 done") and lines[4].startswith("p: c failed: RuntimeError: boom")
+    assert lines[5] == "p: graphs done in 0s" and len(lines) == 6  # (queued and compiling are not lines)
+
+
+def test_a_build_refused_while_loading_prints_no_progress_line():
+    out = StringIO()
+    r = progress_reporter("p", Console(file=out, force_terminal=False), as_json=False)
+    try:
+        with r:
+            r({"event": "stage", "stage": "load"})
+            raise ValueError("bad checkpoint")
+    except ValueError:
+        pass
+    assert out.getvalue() == ""
 
 
 def test_a_terminal_gets_the_live_view_and_json_gets_json():
