@@ -109,7 +109,8 @@ def compile_cmd(
             preflight(p.backend)
     except UserError as e:
         fail(str(e))
-    from .build import build_bundle, check_out
+    from .build import build_bundle
+    from .output import check_out
     from .compile.cache import CompileCache
     from .compile.scheduler import CompileFailed
     from .progress import emit, progress_reporter

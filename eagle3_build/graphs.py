@@ -3,7 +3,7 @@
 The contract of every role (inputs, outputs, bucket kind, tokens per call, the call convention) is
 `eagle3_runtime.manifest.ROLES`; this module implements it. The role modules take
 (cache: KVCache, rank, *inputs), so the Neuron backend drives them with its device state and per-rank
-weight instead (backends/neuron.py); `BoundGraph` is what the portable backends trace: weights as a
+weight instead (backends/neuron/model.py); `BoundGraph` is what the portable backends trace: weights as a
 tuple input, bound by functional_call.
 """
 from __future__ import annotations

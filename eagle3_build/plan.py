@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import ROLES, dtype_name, torch_dtype
+from eagle3_runtime.manifest import dtype_name, torch_dtype
 
-from .build import LoadedPair, build_models, graph_plan, load_pair, trace_graphs
 from .checkpoints.load import TARGET_ARGS, TargetCheckpoint, draft_checkpoint, eos_token_ids, read_config
 from .checkpoints.pair import build_draft, build_target
 from .checkpoints.sources import ResolvedSource, TensorSource
@@ -27,6 +26,7 @@ from .compile.cache import CompileCache
 from .compile.scheduler import default_jobs, static_estimate
 from .errors import UserError
 from .models.weights import weight_tensors
+from .pair import LoadedPair, build_models, graph_plan, load_pair
 from .recipe import PairRecipe
 
 KNOWN = Path(__file__).resolve().parent / "known_configs"
@@ -125,7 +125,7 @@ def config_only_pair(pair: PairRecipe) -> tuple[LoadedPair, str]:
 
 def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> PairPlan:
     from .backends.base import preflight
-    from .backends.registry import get_backend
+    from .backends.registry import backend_class, get_backend
 
     exact = pair.target.kind != "hf" and pair.draft.kind != "hf"
     notes = []
@@ -148,19 +148,9 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
                      f"host ({str(e).split(':')[0]})")
     if backend is not None and not exact:
         notes.append("cache status unknown: configs come from a planning copy, not the checkpoint")
-    traced = {}
-    spmd = pair.backend == "neuron"
-    if backend is not None and exact and keys and not spmd:
-        from .compile.tracing import tracing_process_group
-
-        with tracing_process_group(pair.parallel.tp_degree):
-            traced = {tg.spec.name: tg for tg in trace_graphs(bm, backend, cache)}
-
-    cc_args = None
-    if pair.backend == "neuron":
-        from .backends.neuron import compiler_args, neuronx_cc_command
-
-        cc_args = {role: compiler_args(pair.backend_options, role) for role in ROLES}
+    cls = backend_class(pair.backend)  # what the backend would build, asked whether its SDK is here or not
+    graph_keys = cls.plan_keys(bm, backend if exact and keys else None, cache)
+    cc_args = cls.plan_compiler_args(pair)
     dtype = torch_dtype(pair.dtype)
     from .graphs import step_inputs
 
@@ -168,24 +158,20 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     for spec in graph_plan(pair):
         ins = step_inputs(spec, target_hidden=bm.models["target"][2].padded_hidden,
                           draft_hidden=bm.models["draft"][2].padded_hidden, dtype=dtype)
-        tg = traced.get(spec.name)
-        key = tg.job.key if tg else None
-        status = "unknown" if tg is None else ("hit" if cache.get(key, check=False) else "miss")
+        key = graph_keys.get(spec.name)
+        status = "unknown" if key is None else ("hit" if cache.get(key, check=False) else "miss")
         est = None
         if status == "hit":
             est = 0.0
         elif backend is not None:
             learned = cache.estimate(pair.backend, spec.role, spec.tokens_per_call())
-            est = learned if learned is not None else static_estimate(pair.backend, spec.role,
+            est = learned if learned is not None else static_estimate(cls, spec.role,
                                                                       spec.tokens_per_call())
         g = PlannedGraph(spec.name, spec.role, spec.model, spec.bucket, spec.tokens_per_call(),
                          [{"name": n, "shape": s, "dtype": dtype_name(x)} for n, s, x in ins],
-                         status, key, None if est is None else round(est, 1))
-        if cc_args is not None:
-            g.artifact = f"graphs/{spec.name}.neff"
-            g.compiler_command = neuronx_cc_command(spec.name, cc_args[spec.role])
+                         status, key, None if est is None else round(est, 1), **cls.plan_graph(spec, cc_args))
         graphs.append(g)
-    builders = _builders(bm, backend if exact and keys else None, cache, cc_args) if spmd else None
+    builders = cls.plan_models(bm, backend if exact and keys else None, cache, cc_args)
     jobs = default_jobs(backend, sum(g.cache != "hit" for g in graphs)) if backend is not None else None
     total = None
     if backend is not None:
@@ -193,27 +179,3 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
     return PairPlan(pair.name, pair.backend, pair.parallel.tp_degree, pair.speculation.num_speculative_tokens, origin,
                     sizes, graphs, jobs, total, cc_args, notes, builders,
                     {b: s.describe() for b, s in pair.speculation.shapes.items()})
-
-
-def _builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:
-    """Neuron: what each model's ModelBuilder gets — keys (roles + kv_move) with their buckets, the
-    priority bucket, flags, the NEFFs — and the per-rank NxD checkpoint files it is served with."""
-    from .backends.neuron import compiler_args, priority_role, shard_file
-    from .build import spmd_models
-
-    out = []
-    tp = bm.lp.pair.parallel.tp_degree
-    for name, sm in spmd_models(bm, backend).items():
-        keys = []
-        for key in sm.graphs.keys():
-            specs = [sp for sp, _ in sm.graphs.graphs if sp.role == key]
-            keys.append({"key": key, "buckets": [sp.bucket for sp in specs] or [1],
-                         "priority_bucket": 0 if key == priority_role(name, sm.graphs.keys()) else None,
-                         "compiler_args": cc_args.get(key) or compiler_args(bm.lp.pair.backend_options, key),
-                         "neffs": [f"graphs/{sp.name}.neff" for sp in specs] or [f"graphs/{name}_{key}.neff"]})
-        status = "unknown" if not sm.key else ("hit" if cache.get(sm.key, check=False) else "miss")
-        out.append({"model": name, "artifact": f"graphs/{name}.pt", "tp_degree": tp, "arity": sm.graphs.arity,
-                    "cache": status, "key": sm.key or None, "keys": keys,
-                    "shard_files": [{"path": f"weights/{name}/{shard_file(r)}", "bytes": sm.shard_bytes()}
-                                    for r in range(tp)]})
-    return out

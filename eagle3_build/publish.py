@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 from eagle3_runtime.manifest import MANIFEST, BundleError
-from eagle3_runtime.reader import read_manifest, verify_files
+from eagle3_runtime.bundle import verify_files
+from eagle3_runtime.reader import read_manifest
 from eagle3_runtime.remote import FileRemote, remote_for, resolve_bundle
 from eagle3_runtime.trust import SIGNATURE, generate_key, pins, write_signature
 
-from .build import check_replaceable, clean_leftovers, replace_staged
+from .output import check_replaceable, clean_leftovers, replace_staged
 from .errors import UserError
 from .files import default_dir_mode
 

@@ -16,20 +16,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .backends import backend_class
+from .backends.base import BACKEND, BAD_BUNDLE, DEVICE, OK, SCHEMA, Check, world_size
 from .errors import Eagle3Error
-from .manifest import MANIFEST, SCHEMA_VERSION, BundleError, Manifest, SchemaError
+from .manifest import SCHEMA_VERSION, BundleError, Manifest, SchemaError
 from .trust import Pins
-
-OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
-CPU_ISA_RANK = {"DEFAULT": 0, "VSX": 1, "ZVECTOR": 1, "SVE256": 1, "AVX2": 1, "AVX512": 2}
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    code: int = OK
 
 
 @dataclass
@@ -57,8 +48,9 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
                  environ: dict | None = None, pins: Pins = Pins()) -> Verdict:
     """The runtime's own validation (reader.py: manifest as data, digest, pins; with `files` every
     file's sha256, what each graph and weight file says it holds, the tokenizer and chat template), then
-    the host checks."""
-    from .reader import read_manifest, verify_files
+    the host checks of the bundle's backend."""
+    from .bundle import check_memory, verify_files
+    from .reader import read_manifest
 
     environ = os.environ if environ is None else environ
     v = Verdict(str(root))
@@ -72,6 +64,12 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
         return v
     pinned = " (pinned)" if pins.any else ""
     v.checks.append(Check("schema", True, f"schema {SCHEMA_VERSION}, digest sha256:{m.digest}{pinned}"))
+    try:
+        backend = backend_class(m.backend)
+        check_memory(Path(root), m)
+    except BundleError as e:
+        v.checks.append(Check("backend", False, str(e), BACKEND if "cannot be served" in str(e) else BAD_BUNDLE))
+        return v
     if files:
         try:
             verify_files(Path(root), m)
@@ -82,9 +80,8 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
             return v
         v.checks.append(text_check(Path(root)))
     if backend_env:
-        v.checks += backend_checks(m, environ)
-    if m.backend == "neuron":
-        v.checks.append(neuron_call_check(m, Path(root)))
+        v.checks += backend.host_checks(m, environ)
+    v.checks += backend.manifest_checks(m, Path(root))
     v.checks.append(parallel_check(m, ranks, environ))
     return v
 
@@ -103,75 +100,6 @@ def text_check(root: Path) -> Check:
     template.close()
     return Check("tokenizer", True, "tokenizer loads; the chat template renders a probe conversation within its "
                                     "limits")
-
-
-def neuron_call_check(m: Manifest, root: Path) -> Check:
-    """The NxD call fields of every graph entry (what the loader pads and routes calls by)."""
-    from .neuron import check_manifest
-
-    try:
-        check_manifest(m, str(root / MANIFEST))
-    except BundleError as e:
-        return Check("nxd calls", False, str(e), BAD_BUNDLE)
-    return Check("nxd calls", True, f"{len(m.graphs)} graph entries name their NxD key, bucket and call layout")
-
-
-def backend_checks(m: Manifest, environ: dict) -> list[Check]:
-    import torch
-
-    tc = m.toolchain
-    if m.backend == "export":
-        return [Check("backend", True, f"export graphs, built with torch {tc.get('torch')}, running "
-                                       f"{torch.__version__}")]
-    if m.backend == "aoti":
-        out = []
-        if tc.get("torch") != torch.__version__:
-            return [Check("backend", False, f"aoti graphs were compiled against torch {tc.get('torch')}, this host "
-                                            f"has {torch.__version__}; install torch=={tc.get('torch')} or rebuild "
-                                            "the bundle here", BACKEND)]
-        out.append(Check("backend", True, f"aoti, torch {torch.__version__}"))
-        target = tc.get("aoti_target", "cpu:DEFAULT")
-        kind, _, isa = target.partition(":")
-        if kind == "cuda":
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            ok = n >= m.tp_degree
-            out.append(Check("device", ok, f"{target}: {n} CUDA device(s) for tp {m.tp_degree}" if ok else
-                             f"aoti graphs were compiled for {target}; this host has {n} CUDA device(s), the bundle "
-                             f"needs {m.tp_degree}; use a GPU host or rebuild with device: cpu", DEVICE))
-        else:
-            host = torch.backends.cpu.get_cpu_capability()
-            ok = CPU_ISA_RANK.get(host, 0) >= CPU_ISA_RANK.get(isa, 0)
-            out.append(Check("device", ok, f"compiled for {isa} CPUs, host supports {host}" if ok else
-                             f"aoti graphs were compiled for {isa} CPUs, this host supports {host}; rebuild the "
-                             "bundle on (or for) this host", DEVICE))
-        return out
-    if m.backend == "neuron":
-        from .neuron import NeuronHostError, check_host
-
-        try:
-            check_host(m, environ=environ)
-        except NeuronHostError as e:
-            msg = str(e)
-            code = BACKEND if ("not installed" in msg or "compiled with" in msg) else DEVICE
-            return [Check("backend", False, msg, code)]
-        return [Check("backend", True, f"neuron SDK {tc.get('neuronx_cc')} matches, NeuronCores available")]
-    return [Check("backend", False, f"backend {m.backend!r} cannot be served by this runtime "
-                                    "(export, aoti, neuron)", BACKEND)]
-
-
-def world_size(environ) -> int | None:
-    """$WORLD_SIZE as torchrun sets it (None when unset); anything but a positive integer is an Eagle3Error."""
-    raw = environ.get("WORLD_SIZE")
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 1 << 20:
-        raise Eagle3Error(f"WORLD_SIZE={raw[:40]!r} is not a number of processes; unset it, or start the runtime "
-                          "with torchrun, which sets it")
-    return n
 
 
 def parallel_check(m: Manifest, ranks: int | None, environ: dict) -> Check:

@@ -179,6 +179,7 @@ class Engine:
         self.speculative = speculative
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
+        self.metrics.record_warmup(m, bundle.timings)
         hidden = next((o for g in m.graphs if g.role == "draft_catchup" for o in g.outputs if o.name == "hidden"), None)
         self.hidden, self.hidden_dtype = (hidden.shape[-1], torch_dtype(hidden.dtype)) if hidden else (0, None)
         self.aux_width = m.graph("target_decode", self.batch_buckets[0]).outputs[-1].shape[-1]

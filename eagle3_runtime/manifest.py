@@ -20,12 +20,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 5  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
-# 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature)
+SCHEMA_VERSION = 6  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
+# 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature);
+# 6: the KV caches' layout named (kv_layout)
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
-NATIVE_CODE_BACKENDS = ("aoti", "neuron")  # their graph files are machine code: trust them only by a pin
 
 # ------------------------------------------------------------------ dtypes
 
@@ -456,6 +456,7 @@ class Manifest(_Strict):
     toolchain: dict[str, str]
     models: Capped(dict[str, ModelEntry], 2)
     state: Capped(list[TensorSpec], 16)  # KV caches the runtime allocates (zeros)
+    kv_layout: Capped(list[str], 8)  # the KV caches' dims by name, in order: a permutation of KV_DIMS
     graphs: Capped(list[GraphEntry], 1024)
     files: Capped(list[FileEntry], MAX_FILES)  # tokenizer, configs, everything else
     notes: Capped(list[str], 1024) = []
@@ -523,6 +524,14 @@ class Manifest(_Strict):
         sources and toolchain, but not when or how fast it was built."""
         return digest_of(self.model_dump(mode="json"))
 
+    def kv_dim(self, name: str) -> int:
+        """Where dim `name` of KV_DIMS ("rows": a sequence's slot, "positions": a token's) is in every KV cache."""
+        return self.kv_layout.index(name)
+
+    def state_of(self, model: str) -> str:
+        """The name of model `model`'s KV cache (what its graphs mutate)."""
+        return next(g.state for g in self.graphs if g.model == model)
+
     def graph(self, role: str, bucket: int) -> GraphEntry:
         for g in self.graphs:
             if g.role == role and g.bucket == bucket:
@@ -551,10 +560,10 @@ def digest_of(raw: dict) -> str:
 GRAPH_FORMATS = {"export": "torch.export", "aoti": "aotinductor", "neuron": "nxd-model"}
 PACKING_BACKENDS = ("aoti",)  # graphs that may take weights packed at load (GraphEntry.packed)
 
-# KV caches: one state tensor per model, [layers, 2 (k, v), rows (max_num_seqs), KV heads per rank,
-# positions (kv_cache_length), head_dim]; a row is a sequence slot, a position a token's KV slot
+# KV caches: one state tensor per model with these dims, in the order the manifest's kv_layout names:
+# layers, 2 (k, v), rows (max_num_seqs), KV heads per rank, positions (kv_cache_length), head_dim; a row is
+# a sequence slot, a position a token's KV slot
 KV_DIMS = ("layers", "kv", "rows", "heads", "positions", "head_dim")
-KV_ROW_DIM, KV_POS_DIM = KV_DIMS.index("rows"), KV_DIMS.index("positions")
 
 
 def kv_state_name(model: str) -> str:
@@ -566,28 +575,32 @@ def index_dtype(backend: str) -> str:
     return "int32" if backend == "neuron" else "int64"
 
 
-def kv_state_shape(model: ModelEntry, max_num_seqs: int, positions: int) -> list[int]:
-    """The KV cache a model's graphs take (KV_DIMS), from its config and per-rank layout."""
+def kv_state_shape(model: ModelEntry, max_num_seqs: int, positions: int, layout=KV_DIMS) -> list[int]:
+    """The KV cache a model's graphs take (its dims in `layout` order), from its config and per-rank layout."""
     layers = model.config.get("num_layers", 1)  # (an EAGLE3 draft is one decoder layer)
     head_dim = model.config.get("head_dim")
     for what, v in (("config.num_layers", layers), ("config.head_dim", head_dim)):
         if type(v) is not int or not 1 <= v <= MAX_DIM:
             raise ValueError(f"models.{model.name}.{what} must be a positive integer, got {v!r}")
-    return [layers, 2, max_num_seqs, model.layout_int("kv_heads_per_rank"), positions, head_dim]
+    dims = {"layers": layers, "kv": 2, "rows": max_num_seqs, "heads": model.layout_int("kv_heads_per_rank"),
+            "positions": positions, "head_dim": head_dim}
+    return [dims[d] for d in layout]
 
 
 def _check_states(m: Manifest) -> dict[str, str]:
     """One KV cache per model, of the bundle's dtype and the shape its graphs were built for -> {model: name}."""
+    if sorted(m.kv_layout) != sorted(KV_DIMS):
+        raise ValueError(f"kv_layout {m.kv_layout} must name each of {', '.join(KV_DIMS)} once")
     by_name = {s.name: s for s in m.state}
     names = {model: kv_state_name(model) for model in m.models}
     positions = kv_cache_length(m.max_model_len, m.scratch())
     if set(by_name) != set(names.values()) or len(m.state) != len(names):
         raise ValueError(f"state must be exactly {sorted(names.values())}, got {[s.name for s in m.state]}")
     for model, name in names.items():
-        s, want = by_name[name], kv_state_shape(m.models[model], m.max_num_seqs, positions)
+        s, want = by_name[name], kv_state_shape(m.models[model], m.max_num_seqs, positions, m.kv_layout)
         if s.dtype != m.dtype or s.shape != want:
             raise ValueError(f"state {name}: {s.dtype} {s.shape}, the bundle's graphs take {m.dtype} {want} "
-                             f"({', '.join(KV_DIMS)}: max_num_seqs {m.max_num_seqs} rows, max_model_len "
+                             f"({', '.join(m.kv_layout)}: max_num_seqs {m.max_num_seqs} rows, max_model_len "
                              f"{m.max_model_len} + scratch positions)")
     return names
 

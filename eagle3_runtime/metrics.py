@@ -113,6 +113,8 @@ class Metrics:
                                       ["kind"], buckets=LATENCY_BUCKETS, registry=r)
         self.graph_latency = Histogram("eagle3_graph_latency_seconds", "Compiled graph call latency by role and bucket",
                                        ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        self.warmup = Gauge("eagle3_graph_warmup_seconds", "First call of each compiled graph on this host "
+                            "(warm-up at start)", ["role", "bucket"], registry=r)
         self.ttft = Histogram("eagle3_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.spec = SpecStats(k)  # the totals behind the gauges
@@ -136,6 +138,12 @@ class Metrics:
         self.acceptance_length.set(self.spec.mean_acceptance_length)
         for i, rate in enumerate(self.spec.per_position):
             self.per_pos_rate.labels(str(i)).set(rate)
+
+    def record_warmup(self, manifest, timings: dict[str, float]) -> None:
+        """The warm-up's first-call time of every graph (graph name -> seconds), by role and bucket."""
+        for g in manifest.graphs:
+            if g.name in timings:
+                self.warmup.labels(g.role, str(g.bucket)).set(timings[g.name])
 
     def record_graph(self, role: str, bucket: int, seconds: float) -> None:
         self.graph_latency.labels(role, str(bucket)).observe(seconds)

@@ -1,5 +1,5 @@
-"""A bundle on disk: manifest.json read (size-capped, schema-checked, against the user's pins) and every
-file it names checked to stay inside the bundle and to match its sha256."""
+"""A bundle on disk: manifest.json read (size-capped, schema-checked, against the user's pins), every file
+it names checked to stay inside the bundle and to match its sha256, weight files' headers read as data."""
 from __future__ import annotations
 
 import json
@@ -74,10 +74,6 @@ def read_manifest(root: Path, pins: Pins = Pins()) -> Manifest:
         loc = ".".join(str(x) for x in first["loc"])
         raise BundleError(f"{path}: invalid manifest{' at ' + loc if loc else ''}: {first['msg']}; "
                           "rebuild the bundle") from e
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if m.backend != "neuron" and m.state_bytes() > memory:  # (Neuron: the caches live on the device)
-        raise BundleError(f"{path}: the KV caches need {m.state_bytes() / 2**30:.1f} GiB, more than this host's "
-                          f"{memory / 2**30:.1f} GiB; rebuild with a smaller max_model_len / max_num_seqs")
     return m
 
 
@@ -90,50 +86,6 @@ def check_file(root: Path, entry: FileEntry) -> Path:
         raise BundleError(f"{root}: {entry.path} is corrupt (does not match the sha256 and size in the manifest); "
                           "rebuild or re-download the bundle")
     return path
-
-
-def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
-    """Every file (of one rank's weights only, when `rank` is given) against the manifest: present, its
-    sha256, export graphs holding nothing but a static operator graph (safe_pt2.py); then check_contents."""
-    from .safe_pt2 import UnsafeArchive, check_archive
-
-    others = _other_ranks(manifest, rank)
-    graphs = {g.file.path for g in manifest.graphs} if manifest.backend == "export" else set()
-    for entry in manifest.all_files():
-        if entry.path in others:
-            continue
-        path = check_file(root, entry)
-        if entry.path in graphs:
-            try:
-                check_archive(path.read_bytes(), f"{root}/{entry.path}")
-            except UnsafeArchive as e:
-                raise BundleError(f"{e}; refusing to load it") from e
-    check_contents(root, manifest, rank)
-
-
-def _other_ranks(manifest: Manifest, rank: int | None) -> set[str]:
-    if rank is None:
-        return set()
-    return {f.path for m in manifest.models.values() for r, f in enumerate(m.weight_files) if r != rank}
-
-
-def check_contents(root: Path, manifest: Manifest, rank: int | None = None) -> None:
-    """What the files say they are against what the manifest says: every graph file's own signature
-    (signature.py) and every weight file's header, read as data."""
-    from .signature import check_signature, read_signature
-
-    for g in manifest.graphs:
-        path = bundle_file(root, g.file.path)
-        sig = read_signature(path, manifest.backend)
-        if sig is not None:
-            check_signature(manifest, g, sig, path)
-    if manifest.backend == "neuron":  # (NxD's checkpoints: the traced parameter names, checked by neuron.py)
-        return
-    others = _other_ranks(manifest, rank)
-    for name, model in manifest.models.items():
-        for r, f in enumerate(model.weight_files):
-            if f.path not in others:
-                check_weight_header(bundle_file(root, f.path), model.tensors, f"models.{name}.weight_files[{r}]")
 
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit

@@ -8,7 +8,9 @@ states them:
 
   export  the program JSON of the torch.export archive (its user inputs and outputs, in call order)
   aoti    the package's wrapper metadata, key `eagle3.signature` (written by the builder at compile time)
-  neuron  not read here (one NxD model per model; its calls are checked by eagle3_runtime/neuron.py)
+  neuron  not read here (one NxD model per model; its calls are checked by backends/neuron.py)
+
+(each backend, backends/, names its reader)
 
 so that a manifest edited after the build (weights reordered or dropped, a KV cache of another shape or
 dtype, a graph file swapped for another role's, an index input declared float32, another vocab size)
@@ -49,7 +51,7 @@ def _entry(z: zipfile.ZipFile, suffix: str, name: str) -> bytes | None:
     return z.read(found[0])
 
 
-def _export_signature(z: zipfile.ZipFile, name: str) -> Signature | None:
+def export_signature(z: zipfile.ZipFile, name: str) -> Signature | None:
     raw = _entry(z, "/models/model.json", name)
     if raw is None:
         return None
@@ -66,7 +68,7 @@ def _export_signature(z: zipfile.ZipFile, name: str) -> Signature | None:
     return Signature(inputs, outputs)
 
 
-def _aoti_signature(z: zipfile.ZipFile, name: str) -> Signature | None:
+def aoti_signature(z: zipfile.ZipFile, name: str) -> Signature | None:
     raw = _entry(z, "wrapper_metadata.json", name)
     if raw is None:
         return None
@@ -77,17 +79,9 @@ def _aoti_signature(z: zipfile.ZipFile, name: str) -> Signature | None:
     return Signature([(list(s), d) for s, d in data["inputs"]], [(list(s), d) for s, d in data["outputs"]])
 
 
-READERS = {"export": _export_signature, "aoti": _aoti_signature}
-KINDS = {"export": "a torch.export archive (models/model.json)",
-         "aoti": "an AOTInductor package (a wrapper .so with its metadata)"}
-
-
-def read_signature(path: Path, backend: str) -> Signature | None:
-    """The signature a graph file of `backend` states (None for backends whose files are not read here).
-    Raises BundleError when the file is not that backend's kind of graph file or states no signature."""
-    reader = READERS.get(backend)
-    if reader is None:
-        return None
+def read_zip_signature(path: Path, reader, backend: str, kind: str) -> Signature:
+    """The signature a zip-packaged graph file states (`reader`: export_signature, aoti_signature). Raises
+    BundleError when the file is not that backend's kind of graph file (`kind`) or states no signature."""
     try:
         with zipfile.ZipFile(path) as z:
             sig = reader(z, str(path))
@@ -97,7 +91,7 @@ def read_signature(path: Path, backend: str) -> Signature | None:
         raise BundleError(f"{path}: not a readable {backend} graph file ({type(e).__name__}: {e}); rebuild the "
                           "bundle") from e
     if sig is None:
-        raise BundleError(f"{path}: a {backend} bundle's graph file must be {KINDS[backend]}, this one is not (or was "
+        raise BundleError(f"{path}: a {backend} bundle's graph file must be {kind}, this one is not (or was "
                           "built without its signature); rebuild the bundle")
     return sig
 

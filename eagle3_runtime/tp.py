@@ -1,5 +1,6 @@
-"""Tensor parallelism at run time for the portable backends: one process per rank under torchrun
-(gloo on CPU). Neuron bundles are SPMD instead: one process drives every rank (eagle3_runtime/neuron.py).
+"""Tensor parallelism at run time where a backend runs one process per rank under torchrun (gloo on
+CPU; backends/host.py joins the world). An SPMD backend (Neuron) drives every rank from one process and
+joins no world here.
 
 Rank 0 (the driver) owns tokenization, scheduling and output. Before every graph call it broadcasts
 the call (graph index, then each input tensor, shapes known from the manifest) on a dedicated control
@@ -12,16 +13,15 @@ This module also decides how many torch CPU threads each process uses (`set_thre
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .bundle import DTYPES, Bundle, BundleError, Graph
-from .compat import world_size
+from .backends import backend_class
+from .backends.base import DTYPES, GraphRunner, TPContext
+from .bundle import Bundle
 from .errors import Eagle3Error
-from .manifest import Manifest
 from .reader import read_manifest
 from .tokenizer import load_text
 
@@ -96,47 +96,10 @@ def add_threads_arg(ap) -> None:
                          "torchrun, LOCAL_WORLD_SIZE; at least 1)")
 
 
-@dataclass
-class TPContext:
-    rank: int
-    world_size: int
-    ctrl: object  # the control process group
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
-
-def launch_hint(tp: int) -> str:
-    return f"torchrun --nproc-per-node {tp} -m eagle3_runtime.cli BUNDLE ..."
-
-
-def init_tp(manifest: Manifest) -> TPContext | None:
-    """None for a TP-1 bundle run as one process; otherwise join the torchrun world (and check it)."""
-    world = world_size(os.environ) or 1
-    tp = manifest.tp_degree
-    if manifest.backend == "neuron":  # SPMD: this one process drives every rank (neuron.py)
-        if world > 1:
-            from .neuron import torchrun_refusal
-
-            raise BundleError(torchrun_refusal(tp))
-        return None
-    if world == 1 and tp == 1:
-        return None
-    if world != tp:
-        raise BundleError(f"this bundle was built for tp_degree {tp} but this run has {world} process(es); "
-                          f"run it as: {launch_hint(tp)}" if tp > 1 else
-                          f"this bundle was built for tp_degree 1; run it as one process, not under torchrun "
-                          f"with {world} processes")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return TPContext(dist.get_rank(), world, dist.new_group(backend="gloo"))
-
-
 class DriverGraph:
     """Rank 0's view of a graph: announce the call to the workers, then run it locally."""
 
-    def __init__(self, graph: Graph, index: int, ctx: TPContext):
+    def __init__(self, graph, index: int, ctx: TPContext):
         self.graph, self.index, self.ctx = graph, index, ctx
         self.entry = graph.entry
 
@@ -149,30 +112,35 @@ class DriverGraph:
         return self.graph(*inputs)
 
 
-def wrap_driver(bundle: Bundle, ctx: TPContext) -> None:
-    """Make rank 0's bundle announce every graph call and KV-row move to the workers."""
-    order = [(g.role, g.bucket) for g in bundle.manifest.graphs]
-    bundle.graphs = {k: DriverGraph(bundle.graphs[k], i, ctx) for i, k in enumerate(order)}
-    local_copy = bundle.copy_kv_row
+class Driver(GraphRunner):
+    """Rank 0's backend under torchrun: every graph call and KV move is announced to the workers
+    (worker_loop), then done on rank 0's own backend."""
 
-    def copy_kv_row(src: int, dst: int) -> None:
-        dist.broadcast(torch.tensor([COPY_ROW, src, dst], dtype=torch.int64), src=0, group=ctx.ctrl)
-        local_copy(src, dst)
+    def __init__(self, local: GraphRunner, ctx: TPContext):
+        self.local, self.ctx = local, ctx
+        self.manifest, self.root, self.timings = local.manifest, local.root, {}
+        self.graphs = {(g.role, g.bucket): DriverGraph(local.graph(g.role, g.bucket), i, ctx)
+                       for i, g in enumerate(local.manifest.graphs)}
 
-    bundle.copy_kv_row = copy_kv_row
-    local_compact = bundle.compact_kv
+    def graph(self, role: str, bucket: int) -> DriverGraph:
+        return self.graphs[(role, bucket)] if (role, bucket) in self.graphs else self.local.graph(role, bucket)
 
-    def compact_kv(row: int, src: list[int], dst: list[int]) -> None:
-        dist.broadcast(torch.tensor([COMPACT, row, len(src)], dtype=torch.int64), src=0, group=ctx.ctrl)
-        dist.broadcast(torch.tensor([src, dst], dtype=torch.int64), src=0, group=ctx.ctrl)
-        local_compact(row, src, dst)
+    def _announce(self, *header: int) -> None:
+        dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.ctx.ctrl)
 
-    bundle.compact_kv = compact_kv
+    def copy_kv_row(self, src: int, dst: int) -> None:
+        self._announce(COPY_ROW, src, dst)
+        self.local.copy_kv_row(src, dst)
+
+    def compact_kv(self, row: int, src: list[int], dst: list[int]) -> None:
+        self._announce(COMPACT, row, len(src))
+        dist.broadcast(torch.tensor([src, dst], dtype=torch.int64), src=0, group=self.ctx.ctrl)
+        self.local.compact_kv(row, src, dst)
 
 
 def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
     """Ranks > 0: run whatever graph the driver announces until it says stop."""
-    graphs = [bundle.graphs[(g.role, g.bucket)] for g in bundle.manifest.graphs]
+    graphs = [bundle.graph(g.role, g.bucket) for g in bundle.manifest.graphs]
     header = torch.zeros(3, dtype=torch.int64)
     with torch.inference_mode():
         while True:
@@ -224,7 +192,7 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
     manifest = read_manifest(Path(path), p)
     text = load_text(Path(path)) if os.environ.get("RANK", "0") == "0" else None  # (before the slow part)
     try:
-        ctx = init_tp(manifest)
+        ctx = backend_class(manifest.backend).join_world(manifest, os.environ)
     except BaseException:
         _close_text(text)
         raise
@@ -239,7 +207,7 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
         worker_loop(bundle, ctx)
         return None, ctx
     if ctx is not None:
-        wrap_driver(bundle, ctx)
+        bundle.backend = Driver(bundle.backend, ctx)
     try:
         bundle.warm_up()  # (under TP through the driver: every rank runs each graph once)
     except BaseException:

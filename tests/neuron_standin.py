@@ -39,7 +39,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eagle3_runtime.neuron import routing_signature, visible_cores
+from eagle3_runtime.backends.neuron import routing_signature, visible_cores
 
 VERSION = "0.0.0-standin"
 CHECKS = ("aliases", "collectives", "weights")  # the old per-graph torch_neuronx.trace path (strict=...)
@@ -583,7 +583,7 @@ def install(monkeypatch, neuronx=None, device_dir=None) -> StandInNeuronx:
     monkeypatch.setattr(torch.jit, "load", load)
     if device_dir is not None:
         monkeypatch.setenv("NEURON_STANDIN_DEVICE_DIR", str(device_dir))
-    import eagle3_runtime.neuron as rn
+    import eagle3_runtime.backends.neuron as rn
 
     monkeypatch.setattr(rn, "installed_versions", lambda: {k: VERSION for k in rn.SDK.values()})
     StandInModelBuilder.instances.clear()

@@ -135,7 +135,7 @@ def test_recipe_error(pair, tmp_path, case):
 
 def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
     """A build that dies half-way (here: the 3rd graph fails) leaves no bundle and no temp dir."""
-    from eagle3_build import build as build_mod
+    from eagle3_build.backends import per_graph
     from eagle3_build.backends import export
     from eagle3_build.build import build_bundle
     from eagle3_build.compile.cache import CompileCache
@@ -164,7 +164,7 @@ def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
     def crash(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(build_mod, "write_rank_files", crash)
+    monkeypatch.setattr(per_graph, "write_rank_files", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         build_bundle(p, art / "b", cache=CompileCache(tmp_path / "cache"))
     assert list(art.iterdir()) == []

@@ -270,7 +270,7 @@ def test_120b_weight_bytes_per_rank():
 
 
 def test_120b_recipe_graphs():
-    from eagle3_build.build import graph_plan
+    from eagle3_build.pair import graph_plan
     from eagle3_build.recipe import load_recipe
 
     (p,) = load_recipe(HERE.parent / "recipes" / "gpt-oss-120b-eagle3.yaml").pairs

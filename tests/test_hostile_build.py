@@ -123,7 +123,7 @@ def test_out_onto_user_data_or_protected_paths_is_refused_before_any_work(world,
 
 
 def test_out_onto_checkpoints_home_or_cache_is_refused(world, tmp_path, monkeypatch):
-    from eagle3_build.build import check_out
+    from eagle3_build.output import check_out
     from eagle3_build.errors import UserError
     from eagle3_build.recipe import load_recipe
 
@@ -219,7 +219,7 @@ def dead_pid() -> int:
 
 
 def test_only_killed_builds_leftovers_are_removed(tmp_path):
-    from eagle3_build.build import clean_leftovers
+    from eagle3_build.output import clean_leftovers
     from eagle3_build.compile.cache import HOST, CompileCache
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another build, running
@@ -255,25 +255,25 @@ def test_only_killed_builds_leftovers_are_removed(tmp_path):
 def test_death_between_the_two_renames_is_recovered(world, tmp_path, monkeypatch):
     """Where the filesystem cannot swap directories, the old bundle is out of place between two renames:
     a build killed there has it put back by the next build (and a whole replace leaves nothing behind)."""
-    from eagle3_build import build
+    from eagle3_build import output
     from eagle3_build.compile.cache import HOST
 
     def no_exchange(a, b):
         raise OSError(22, "not supported here")
 
-    monkeypatch.setattr(build, "_exchange", no_exchange)
+    monkeypatch.setattr(output, "_exchange", no_exchange)
     parent = tmp_path / "art"
     out = old_bundle(world, parent / "b")
     new = parent / ".b.tmp-new"
     shutil.copytree(world["ref"], new)
-    build.replace_dir(new, out)
+    output.replace_dir(new, out)
     assert created_at(out) != "old" and sorted(p.name for p in parent.iterdir()) == ["b"]
 
     dead = dead_pid()  # killed after `b -> .b.old-…`, before `.b.tmp-… -> b`
     shutil.rmtree(out)
     old_bundle(world, parent / f".b.old-{dead}-{HOST}")
     shutil.copytree(world["ref"], parent / f".b.tmp-{dead}-{HOST}-abcd1234")
-    build.clean_leftovers(parent, time.time() + 1)
+    output.clean_leftovers(parent, time.time() + 1)
     assert sorted(p.name for p in parent.iterdir()) == ["b"] and created_at(out) == "old"
 
 
@@ -411,11 +411,12 @@ def test_a_pruned_entry_is_compiled_again_not_a_traceback(world, tmp_path, monke
     """`cache prune` removing an entry between the cache hit and its copy into the bundle: that graph is a
     miss (compiled again) and the bundle is the same."""
     from eagle3_build import build
+    from eagle3_build.backends import per_graph
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.recipe import load_recipe
 
     cache = warm(world, tmp_path / "cache")
-    real, fetched = build.compile_graphs, []
+    real, fetched = per_graph.compile_graphs, []
 
     def pruned_meanwhile(*a, **k):
         traced, results = real(*a, **k)
@@ -424,7 +425,7 @@ def test_a_pruned_entry_is_compiled_again_not_a_traceback(world, tmp_path, monke
         fetched.append([tg.spec.name for tg in traced])
         return traced, results
 
-    monkeypatch.setattr(build, "compile_graphs", pruned_meanwhile)
+    monkeypatch.setattr(per_graph, "compile_graphs", pruned_meanwhile)
     (pair,) = load_recipe(world["recipe"]).pairs
     m = build.build_bundle(pair, tmp_path / "b", cache=CompileCache(cache))
     first = fetched[0][0]

@@ -23,7 +23,6 @@ from test_server import ServerProc
 from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.compat import check_bundle
 from eagle3_runtime.manifest import kv_cache_length, sha256_file
-from eagle3_runtime.reader import read_manifest
 from eagle3_runtime.safe_pt2 import UnsafeArchive, check_archive
 
 
@@ -282,7 +281,7 @@ def test_manifest_is_validated_as_data(good, tmp_path, case, mutate, needle):
     v = check_bundle(b)
     assert not v.ok and v.code == 2 and needle in v.reasons()[0], v.reasons()
     with pytest.raises(BundleError, match=needle):
-        read_manifest(b)
+        Bundle(b)  # (read_manifest refuses every case but the host's memory, which the load checks)
 
 
 def test_manifest_cases_through_the_cli(good, tmp_path):

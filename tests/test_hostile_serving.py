@@ -55,10 +55,10 @@ def serving(b, faults: dict[str, float]):
     """eagle3-serve's Server and serve() on a loopback port, with graphs of `b` made to fail."""
     from eagle3_runtime.server import Server, bind, serve
 
-    real = dict(b.graphs)
+    real = dict(b.loaded.graphs)
     for (role, bucket), g in real.items():
         if g.entry.name in faults:
-            b.graphs[(role, bucket)] = Flaky(g, faults[g.entry.name])
+            b.loaded.graphs[(role, bucket)] = Flaky(g, faults[g.entry.name])
     server = Server(b)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -71,7 +71,7 @@ def serving(b, faults: dict[str, float]):
         if server.uvicorn is not None:
             server.uvicorn.should_exit = True
         thread.join(10)
-        b.graphs.update(real)
+        b.loaded.graphs.update(real)
 
 
 def complete(url, prompt=PROMPT, max_tokens=8, **kw) -> httpx.Response:
@@ -90,7 +90,7 @@ def test_an_engine_error_fails_its_request_and_the_next_is_served(loaded):
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 8
         assert complete(url).json()["choices"][0]["token_ids"] == ok.json()["choices"][0]["token_ids"]
         # a stream whose step fails: the error arrives in the stream, which still ends with [DONE]
-        loaded.graphs[("target_verify", 1)].times = 1
+        loaded.loaded.graphs[("target_verify", 1)].times = 1
         r = complete(url, stream=True)
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert r.status_code == 200 and events[-1] == "[DONE]"
@@ -109,7 +109,7 @@ def test_an_engine_that_cannot_go_on_stops_and_the_server_exits_1(loaded):
     from eagle3_runtime.protocol import APIError
     from eagle3_runtime.sampling import SamplingParams
 
-    faults = {g.entry.name: math.inf for g in loaded.graphs.values() if g.entry.role == "target_prefill"}
+    faults = {g.entry.name: math.inf for g in loaded.loaded.graphs.values() if g.entry.role == "target_prefill"}
     with serving(loaded, faults) as (url, server, status, thread):
         wait_healthy(url)
         for _ in range(3):  # MAX_CONSECUTIVE_FAILURES failed steps in a row: each request gets its 500

@@ -82,7 +82,7 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
 
 
 def test_compiler_flags():
-    from eagle3_build.backends.neuron import compiler_args
+    from eagle3_build.backends.neuron.model import compiler_args
 
     for role, default in ROLE_DEFAULTS.items():
         assert compiler_args({}, role, environ={}) == default
@@ -122,7 +122,7 @@ SAME = {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1", "libneuronxla": "2.2.1
 
 
 def test_host_checks_name_the_fix():
-    from eagle3_runtime.neuron import NeuronHostError, check_host
+    from eagle3_runtime.backends.neuron import NeuronHostError, check_host
 
     one_device = ["/dev/neuron0"]  # trn2: 8 physical cores -> 4 logical at lnc 2
     check_host(manifest_stub(), environ={}, devices=one_device, versions=SAME)

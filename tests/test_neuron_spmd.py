@@ -129,7 +129,8 @@ def test_torchrun_is_refused_with_the_command(standin_sdk, tmp_path):
 def old_design_graph(tmp_path, tp):
     """One graph (target_decode b1) as the replaced design exported it."""
     from eagle3_build.backends.export import ExportBackend
-    from eagle3_build.build import build_models, load_pair, trace_graphs
+    from eagle3_build.backends.per_graph import trace_graphs
+    from eagle3_build.pair import build_models, load_pair
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.compile.tracing import tracing_process_group
     from eagle3_build.graphs import GraphSpec
@@ -183,7 +184,7 @@ def test_standin_catches_one_process_per_rank(tmp_path):
 def test_standin_catches_a_rank_read_from_an_input(standin_sdk, tmp_path, monkeypatch):
     """Failure 5: SPMD sends the same inputs to every rank, so a rank taken from an input is rank 0
     everywhere; the simulated TP 2 run then decodes wrong, while the rank weight decodes right."""
-    from eagle3_build.backends import neuron
+    from eagle3_build.backends.neuron import model as neuron
     from eagle3_build.build import build_bundle
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.models.llama import KVCache
@@ -308,7 +309,8 @@ def tree_pair(tmp_path, tp=1):
 
 
 def spmd_graphs(pair):
-    from eagle3_build.build import build_models, load_pair, spmd_models
+    from eagle3_build.backends.neuron.bundle import spmd_models
+    from eagle3_build.pair import build_models, load_pair
 
     return {name: sm.graphs for name, sm in spmd_models(build_models(load_pair(pair))).items()}
 
@@ -316,8 +318,8 @@ def spmd_graphs(pair):
 def test_kv_compact_is_a_target_key_of_tree_bundles_only(tmp_path):
     """(b) a tree bundle's target builder has kv_compact (int32 [1 + 2T], T = depth + 1, routed apart from
     kv_move); the draft never has it; (c) a chain bundle has none; role_compiler_args takes it."""
-    from eagle3_build.backends.neuron import compiler_args
-    from eagle3_runtime.neuron import kv_compact_inputs, routing_signature
+    from eagle3_build.backends.neuron.model import compiler_args
+    from eagle3_runtime.backends.neuron import kv_compact_inputs, routing_signature
 
     tree = spmd_graphs(tree_pair(tmp_path / "tree"))
     assert "kv_compact" in tree["target"].keys() and "kv_compact" not in tree["draft"].keys()
@@ -341,8 +343,8 @@ def test_kv_compact_is_a_target_key_of_tree_bundles_only(tmp_path):
 
 def test_kv_compact_moves_slots_functionally(standin_sdk, tmp_path):
     """The key's module: row r's slots src -> dst with every source read first; the other rows untouched."""
-    from eagle3_build.backends.neuron import KV_COMPACT, DeviceModel, NeuronKey
-    from eagle3_runtime.neuron import kv_compact_inputs
+    from eagle3_build.backends.neuron.model import KV_COMPACT, DeviceModel, NeuronKey
+    from eagle3_runtime.backends.neuron import kv_compact_inputs
 
     mg = spmd_graphs(tree_pair(tmp_path))["target"]
     shared = DeviceModel(mg)
@@ -380,8 +382,8 @@ def test_tree_bundle_decodes_like_transformers(standin_sdk, tmp_path):
 
     bundle = Bundle(out)
     compactions = []
-    real = bundle.nxd["target"].compact
-    bundle.nxd["target"].compact = lambda row, src, dst: (compactions.append((row, src, dst)), real(row, src, dst))
+    real = bundle.loaded.nxd["target"].compact
+    bundle.loaded.nxd["target"].compact = lambda row, src, dst: (compactions.append((row, src, dst)), real(row, src, dst))
     outs, moves = serve_batch(bundle)
     assert moves > 0 and compactions  # rows moved, and accepted tree paths moved their KV slots
     for ids, n, got in zip(PROMPTS, MAX_TOKENS, outs):

@@ -5,7 +5,7 @@
   different trees and different start positions;
 * draft_step over a tree's frontier (tree.Drafting for a dynamic shape) == the draft chain along each
   frontier node's path;
-* moving the accepted path's KV into place (Bundle.compact_kv) and decoding on == decoding the accepted
+* moving the accepted path's KV into place (HostBackend.compact_kv) and decoding on == decoding the accepted
   path as a chain;
 * the host tree logic of eagle3_runtime/tree.py (Drafting, Tree.mask, accept_greedy).
 """
@@ -21,7 +21,8 @@ from eagle3_build.graphs import DraftPrefill, DraftStep, TargetDecode, TargetPre
 from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.gpt_oss import GptOss, GptOssArgs
 from eagle3_build.models.llama import Llama, LlamaArgs
-from eagle3_runtime.bundle import Bundle
+from eagle3_runtime.backends.host import HostBackend
+from eagle3_runtime.manifest import KV_DIMS
 from eagle3_runtime.manifest import chain, dynamic_tree, static_tree
 from eagle3_runtime.tree import Drafting, Tree, accept_greedy
 
@@ -177,7 +178,7 @@ def test_tree_verify_matches_each_root_path_as_a_chain(name, random_tree):
 
 @pytest.mark.xfail(strict=True, reason="gpt_oss.Attention applies the sliding window to KV slots, not the "
                    "tree nodes' positions: exact only while the tree depth < sliding_window, which "
-                   "build.load_pair requires")
+                   "pair.load_pair requires")
 def test_tree_verify_deeper_than_the_sliding_window():
     """A node at depth 4 under a window of 3 whose ancestor at slot p + 2 sits at position p + 1: that
     ancestor is outside the node's window (p + 1 <= p + 4 - 3) but its slot is inside."""
@@ -274,11 +275,11 @@ def test_compacted_kv_decodes_like_the_accepted_chain(name):
     accepted = [[0, 2, 5], [0, 3, 4]]  # row 0: second child then its child; row 1: a path off node 0's 2nd child
     for row, path in enumerate(accepted):
         assert all(trees[row][1][path[m]] == path[m - 1] for m in range(1, len(path)))
-    bundle = SimpleNamespace(state={"target_kv": kv}, nxd=None)
+    host = SimpleNamespace(target_kv=kv, rows=KV_DIMS.index("rows"), positions=KV_DIMS.index("positions"))
     for row, path in enumerate(accepted):
         p = PROMPTS[row]
         moved = [(p + j, p + m) for m, j in enumerate(path) if j != m]  # as engine._spec_round
-        Bundle.compact_kv(bundle, row, [x for x, _ in moved], [y for _, y in moved])
+        HostBackend.compact_kv(host, row, [x for x, _ in moved], [y for _, y in moved])
     bonus = [int(logits[r, accepted[r][-1]].argmax()) for r in range(B)]
     # continue: decode the bonus token of every row at p + a + 1, then one more token
     toks = torch.tensor(bonus)

@@ -5,7 +5,7 @@
 Dev tool, NOT part of the product or of `make test`: runs in .venv-xla (torch 2.9 + torch-xla 2.9 +
 transformers 4.57, the Neuron SDK's stack). It makes the tiny Llama pair and the GPT-OSS twin with
 tp_degree 2 (eagle3_build.testing.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
-build_models, backend neuron) and runs the product's own SPMD path: build._write_spmd_bundle builds each
+build_models, backend neuron) and runs the product's own SPMD path: NeuronBackend.write_graphs builds each
 model's ModelGraphs and calls NeuronBackend.compile_model, unchanged. Only the SDK is replaced:
 
 * `neuronx_distributed.parallel_layers.mappings` is tools/hlo_check.py's NxD mappings shim for tp 2
@@ -122,7 +122,7 @@ class ModelBuilder:
         return self
 
     def trace(self, initialize_model_weights=True, dry_run=False, disable_fail_fast=False):
-        from eagle3_runtime.neuron import KV_MOVE
+        from eagle3_runtime.backends.neuron import KV_MOVE
 
         mg = SESSION.mg
         for key, inst, examples, priority in self.keys:
@@ -218,7 +218,7 @@ def _outputs_on_device(module: nn.Module, cpu_outputs: list[int]) -> None:
 
 def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst, example, tp: int,
                     priority=None) -> dict:
-    from eagle3_runtime.neuron import KV_MOVE
+    from eagle3_runtime.backends.neuron import KV_MOVE
 
     module = inst.module_cls()  # fresh per bucket: lowering moves the module's Parameters to the XLA device
     cpu_outputs: list[int] = []
@@ -317,8 +317,9 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
 # ------------------------------------------------------------------ one pair
 
 def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
-    from eagle3_build import build
-    from eagle3_build.backends import neuron
+    from eagle3_build import pair as pairs
+    from eagle3_build.backends.neuron import backend as neuron
+    from eagle3_build.backends.base import NEURON_SDK
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.recipe import load_recipe
     from eagle3_build.testing.tiny import make_tiny_pair
@@ -340,14 +341,13 @@ def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
         info.update(recipe=pair.name, dtype=pair.dtype, tp=pair.parallel.tp_degree, K=pair.speculation.num_speculative_tokens,
                     prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch))
         with mock.patch.object(neuron, "sdk_versions",
-                               lambda: {dist: "hlo-check" for dist in neuron.NEURON_SDK.values()}):
+                               lambda: {dist: "hlo-check" for dist in NEURON_SDK.values()}):
             backend = HloBackend(pair.backend_options)
-        lp = build.load_pair(pair)
-        bm = build.build_models(lp)
+        lp = pairs.load_pair(pair)
+        bm = pairs.build_models(lp)
         root = work / label / "bundle"
         (root / "graphs").mkdir(parents=True)
-        build._write_spmd_bundle(bm, root, backend, CompileCache(work / label / "cache"), lambda ev: None,
-                                  False, time.perf_counter())
+        backend.write_graphs(bm, root, CompileCache(work / label / "cache"), None, lambda ev: None, False)
         info["bundle"] = "written"
     except Exception as e:  # noqa: BLE001 - reported, the graphs lowered so far still count
         info["bundle"] = f"FAILED: {type(e).__name__}: {e}"

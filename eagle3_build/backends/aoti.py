@@ -30,7 +30,7 @@ from eagle3_runtime.signature import METADATA_KEY, Signature
 from ..errors import UserError
 from ..files import atomic_write
 from ..recipe import check_backend_options
-from .base import Backend
+from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
 NAME = "aoti"
@@ -39,8 +39,9 @@ JOB_MEMORY_GB = 2.0  # Inductor + g++ per compile job (measured ~1.2 GB peak for
 DEVICES = ("cpu", "cuda")
 
 
-class AotiBackend(Backend):
+class AotiBackend(PerGraphBackend):
     NAME, SUFFIX, JOB_MEMORY_GB = NAME, SUFFIX, JOB_MEMORY_GB
+    ESTIMATE_S = 40.0  # Inductor + g++ for a decode-sized graph
 
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
@@ -178,7 +179,7 @@ def host_vec_isa(cache_root: Path) -> dict:
 
 
 def warm_up() -> None:
-    """What a compile worker imports while the build is still tracing (compile/worker.py serve)."""
+    """What a compile worker imports while the build is still tracing (backends/worker.py serve)."""
     import torch._inductor.compile_fx  # noqa: F401
 
 

@@ -1,13 +1,16 @@
 """The backend interface (`Backend`) and the SDK preflight.
 
-A backend turns one exported graph (torch.export.ExportedProgram) into a graph file, or, when SPMD
-(neuron), a whole model (every role, bucket and rank) into one artifact. `preflight` runs before
-anything heavy (no torch import), so a missing SDK fails in well under a second.
+A backend owns its whole path from the pair's models to its part of the bundle (`write_graphs`: graph
+files, weight files, their manifest entries): the per-graph backends (per_graph.py: export, aoti) compile
+one torch.export graph per (role, bucket); neuron compiles each model whole (neuron/). `plan` asks the
+backend class what it would build, SDK or not. `preflight` runs before anything heavy (no torch import),
+so a missing SDK fails in well under a second.
 """
 from __future__ import annotations
 
 import abc
 import importlib.metadata
+from dataclasses import dataclass
 import importlib.util
 from pathlib import Path
 from typing import ClassVar
@@ -63,13 +66,54 @@ def output_specs(module, example_args: tuple) -> list[tuple[list[int], object]]:
     return [(list(o.shape), o.dtype) for o in outs]
 
 
+@dataclass
+class Written:
+    """A backend's part of a bundle: graph entries, model entries (weights), other files, build record."""
+
+    graphs: list
+    models: dict
+    files: list[Path]
+    build: dict
+
+
 class Backend(abc.ABC):
-    """What the build, the compile cache and the scheduler call on a backend."""
+    """What the build, `plan`, the compile cache and the scheduler call on a backend."""
 
     NAME: ClassVar[str]
-    SUFFIX: ClassVar[str] = ""  # graph file suffix (per-graph backends)
+    SUFFIX: ClassVar[str] = ""  # graph file suffix
     JOB_MEMORY_GB: ClassVar[float]  # per parallel compile job, for --jobs and plan
-    SPMD: ClassVar[bool] = False  # True: compile_model per model, not compile_exported per graph
+    MAX_JOBS: ClassVar[int | None] = None  # parallel compile jobs worth running at most
+    ESTIMATE_S: ClassVar[float] = 60.0  # compile seconds of a decode-sized graph (static_estimate)
+
+    @abc.abstractmethod
+    def write_graphs(self, bm, root: Path, cache, jobs: int | None, report, require_cached: bool) -> Written:
+        """Compile (or fetch from `cache`) the pair's graphs (`bm`: pair.BuildModels) and write them and the
+        weights under `root`."""
+
+    @abc.abstractmethod
+    def compile_shard(self, pair, index: int, count: int, cache, jobs: int | None, report) -> list:
+        """`compile --shard index/count`: this builder's share of the graphs into the cache, no bundle."""
+
+    # ---- plan: what the backend would build (class methods: no SDK needed)
+    @classmethod
+    def plan_keys(cls, bm, backend: "Backend | None", cache) -> dict[str, str]:
+        """Graph name -> compile-cache key, where the plan can compute it (`backend`: an instance, or None)."""
+        return {}
+
+    @classmethod
+    def plan_compiler_args(cls, pair) -> dict[str, list[str]] | None:
+        """The compiler's flags per graph role, where the backend has a command-line compiler."""
+        return None
+
+    @classmethod
+    def plan_graph(cls, spec, cc_args) -> dict:
+        """Extra fields of one planned graph (its artifact, its compiler command)."""
+        return {}
+
+    @classmethod
+    def plan_models(cls, bm, backend: "Backend | None", cache, cc_args) -> list[dict] | None:
+        """Per-model build units, where the backend compiles models whole."""
+        return None
 
     @abc.abstractmethod
     def version(self) -> str:
@@ -93,10 +137,3 @@ class Backend(abc.ABC):
     def output_specs(self, module, example_args: tuple) -> list[tuple[list[int], object]]:
         return output_specs(module, example_args)
 
-    def compile_exported(self, ep, out: Path, key: str, role: str) -> dict:
-        """Compile one graph to `out`; returns the info recorded in the manifest's graph entry."""
-        raise NotImplementedError(f"backend {self.NAME} compiles whole models (compile_model)")
-
-    def compile_model(self, model_graphs, tp: int, out_dir: Path) -> dict:
-        """SPMD: compile every role, bucket and rank of one model into one artifact under `out_dir`."""
-        raise NotImplementedError(f"backend {self.NAME} compiles one graph at a time (compile_exported)")

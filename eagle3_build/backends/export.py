@@ -10,7 +10,7 @@ import torch
 from eagle3_runtime.manifest import GRAPH_FORMATS
 
 from ..recipe import check_backend_options
-from .base import Backend
+from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
 NAME = "export"
@@ -23,10 +23,12 @@ def compile_exported(ep, out: Path, key: str, role: str) -> dict:
     return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__}
 
 
-class ExportBackend(Backend):
+class ExportBackend(PerGraphBackend):
     NAME = NAME
     SUFFIX = ".pt2"
     JOB_MEMORY_GB = 0.5  # per compile job, on top of the graph's inputs (none are materialised)
+    MAX_JOBS = 1  # (a compile is a serialization: trivial)
+    ESTIMATE_S = 0.5
 
     def __init__(self, backend_options: dict | None = None):
         check_backend_options(NAME, backend_options)

@@ -1,21 +1,24 @@
-"""The backend for a recipe's `backend` name, its options checked."""
+"""The backend for a recipe's `backend` name: its class (what `plan` asks, no SDK needed) or an instance
+(its SDK checked, its options validated)."""
 from __future__ import annotations
+
+import importlib
 
 from ..recipe import check_backend_options
 from .base import Backend, preflight
+
+CLASSES = {"export": ("export", "ExportBackend"), "aoti": ("aoti", "AotiBackend"),
+           "neuron": ("neuron.backend", "NeuronBackend")}
+
+
+def backend_class(name: str) -> type[Backend]:
+    if name not in CLASSES:
+        preflight(name)  # (its one error line for an unknown backend)
+    module, cls = CLASSES[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
 
 
 def get_backend(name: str, options: dict | None = None) -> Backend:
     preflight(name)
     check_backend_options(name, options)
-    if name == "export":
-        from .export import ExportBackend
-
-        return ExportBackend(options or {})
-    if name == "aoti":
-        from .aoti import AotiBackend
-
-        return AotiBackend(options or {})
-    from .neuron import NeuronBackend
-
-    return NeuronBackend(options or {})
+    return backend_class(name)(options or {})

@@ -498,3 +498,12 @@ class CompileCache:
         except OSError:
             pass
         return n
+
+
+FETCH_TRIES = 3  # a cache entry removed (`cache prune`, `cache clear`) before its copy is fetched again
+
+
+def vanishing(cache: CompileCache, names: list[str]) -> UserError:
+    return UserError(f"compile cache {cache.root}: the entries of {', '.join(names)} were removed {FETCH_TRIES} "
+                     "times while this build copied them; stop the `cache prune` / `cache clear` running on that "
+                     "cache and build again")

@@ -4,7 +4,7 @@
                                                  miss       -> compile job -> cache entry
 
 With `jobs == 1` a miss compiles in this process. With `jobs > 1` misses go to at most `jobs`
-long-lived worker processes (`python -m eagle3_build.compile.worker --serve`, one graph at a time each, its
+long-lived worker processes (`python -m eagle3_build.backends.worker --serve`, one graph at a time each, its
 log captured next to it), so torch/Inductor start-up is paid once per worker while one graph's crash
 (segfault, OOM kill) still takes down only that graph. A graph whose worker dies is retried once on a
 fresh worker; a compile error is not (it would fail the same way). Failures are recorded in the cache
@@ -34,14 +34,14 @@ from .cache import CompileCache, Entry
 
 INJECT_ENV = "EAGLE3_BUILD_INJECT_FAILURE"
 COMPILE_ERROR_EXIT = 3  # the worker's "compile raised" exit code (not retried)
-DEFAULT_ESTIMATE_S = {"export": 0.5, "aoti": 40.0, "neuron": 600.0}  # a decode-sized graph
 
 
-def static_estimate(backend: str, role: str, tokens: int) -> float:
-    """Machine-independent compile-time model (seconds): the same on every builder, so that
-    `--shard I/N` splits identically everywhere; learned cache timings refine it for the ETA/plan."""
+def static_estimate(backend, role: str, tokens: int) -> float:
+    """Machine-independent compile-time model (seconds) from the backend (class)'s ESTIMATE_S, a
+    decode-sized graph: the same on every builder, so that `--shard I/N` splits identically everywhere;
+    learned cache timings refine it for the ETA/plan."""
     per_model = 1.0 if role.startswith("target") else 0.4
-    return DEFAULT_ESTIMATE_S.get(backend, 60.0) * per_model * max(1, tokens) ** 0.25
+    return backend.ESTIMATE_S * per_model * max(1, tokens) ** 0.25
 
 
 def split_shard(jobs: list[tuple[str, float]], index: int, count: int) -> set[str]:
@@ -92,15 +92,13 @@ class CompileFailed(Exception):
 
 def default_jobs(backend, tasks: int | None = None) -> int:
     """Parallel compile jobs from the cores and the memory available, with the backend's per-job
-    memory estimate (export compiles are trivial: one job)."""
-    if backend.NAME == "export":
-        return 1
+    memory estimate, at most its MAX_JOBS."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
     by_memory = int(available_memory_gb() // backend.JOB_MEMORY_GB)
-    n = max(1, min(cores, by_memory))
+    n = max(1, min(cores, by_memory, backend.MAX_JOBS or cores))
     return min(n, tasks) if tasks else n
 
 
@@ -162,7 +160,7 @@ class Scheduler:
 
     def submit(self, job: GraphJob) -> None:
         learned = self.cache.estimate(self.backend.NAME, job.role, job.tokens)
-        job.estimate = learned if learned is not None else static_estimate(self.backend.NAME, job.role, job.tokens)
+        job.estimate = learned if learned is not None else static_estimate(self.backend, job.role, job.tokens)
         entry = job.hit or self.cache.get(job.key)
         if entry is not None:
             self.cache.touch(entry)
@@ -345,7 +343,7 @@ class _Task:
 
 
 class _Lane:
-    """A long-lived worker process (`python -m eagle3_build.compile.worker --serve`) that compiles the
+    """A long-lived worker process (`python -m eagle3_build.backends.worker --serve`) that compiles the
     graphs it is handed one at a time, so torch/Inductor start-up is paid once per lane, not once per
     graph. Protocol: the staging dir's path on its stdin; `done <rc>` on its stdout when that graph
     is finished (0 compiled, COMPILE_ERROR_EXIT compile raised). A lane whose process dies takes only
@@ -356,7 +354,7 @@ class _Lane:
 
     @classmethod
     def start(cls, backend: str) -> _Lane:
-        cmd = [sys.executable, "-m", "eagle3_build.compile.worker", "--serve", backend, str(os.getpid())]
+        cmd = [sys.executable, "-m", "eagle3_build.backends.worker", "--serve", backend, str(os.getpid())]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         return cls(proc)
 

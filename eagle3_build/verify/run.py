@@ -1,6 +1,7 @@
 """verify_bundle: the bundle run through the runtime's Engine on a prompt set, against the reference."""
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -140,13 +141,9 @@ def skip_reason(manifest: Manifest) -> str | None:
     if manifest.tp_degree != 1:
         return (f"the bundle is TP {manifest.tp_degree}; verify runs TP-1 bundles in one process (build a "
                 "tp_degree 1 variant of the pair to verify the checkpoints, or run eagle3-run under torchrun)")
-    if manifest.backend == "neuron":
-        try:
-            from eagle3_runtime.neuron import NeuronHostError, check_host
+    from eagle3_runtime.backends import backend_class
 
-            check_host(manifest)
-        except ImportError:
-            return "the bundle's graphs are NEFFs and this runtime has no Neuron loader"
-        except NeuronHostError as e:
-            return f"the bundle's graphs are NEFFs and this host cannot run them ({e})"
+    refused = [c.detail for c in backend_class(manifest.backend).host_checks(manifest, os.environ) if not c.ok]
+    if refused:
+        return f"the bundle's graphs cannot run on this host ({refused[0]})"
     return None

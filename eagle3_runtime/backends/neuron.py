@@ -1,4 +1,4 @@
-"""Serving NEFF bundles (backend `neuron`): one process drives every rank.
+"""Backend `neuron` at run time: NEFF bundles, one process drives every rank.
 
 A neuron bundle holds one NxD model per model (graphs/target.pt, graphs/draft.pt: every graph role
 and bucket, compiled SPMD) and NxD's per-rank checkpoints (weights/<model>/tp<r>_sharded_checkpoint.
@@ -29,15 +29,17 @@ from pathlib import Path
 
 import torch
 
-from .errors import Eagle3Error
-from .manifest import GRAPH_FORMATS, MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest
+from ..errors import Eagle3Error
+from ..manifest import GRAPH_FORMATS, MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest, torch_dtype
+from ..reader import bundle_file
+from .base import BACKEND, BAD_BUNDLE, DEVICE, Check, Graph, RuntimeBackend, TPContext, world_size
 
 SDK = {mod: key for mod, (key, _) in NEURON_SDK.items()}  # import name -> toolchain key
 PIP_NAMES = dict(NEURON_SDK.values())  # toolchain key -> pip name
 PHYSICAL_CORES_PER_DEVICE = {"trn2": 8, "trn1": 2, "inf2": 2}
 DEFAULT_LNC = {"trn2": 2, "trn1": 1, "inf2": 1}
 
-# The call contract of an NxD model, shared with the builder (eagle3_build/backends/neuron.py)
+# The call contract of an NxD model, shared with the builder (eagle3_build/backends/neuron/)
 NXD_FORMAT = GRAPH_FORMATS["neuron"]
 KV_MOVE = "kv_move"  # the key that moves one KV-cache row: inputs (src_dst int32 [2], placeholders...)
 PLACEHOLDER_DTYPE = torch.int32  # zero-size inputs pad every call to the model's arity (NxDI: torch.empty(0))
@@ -90,7 +92,7 @@ def kv_compact_inputs(row: int, src: list[int], dst: list[int], pairs: int, arit
     return padded([torch.tensor([row, *src, *[s] * pad, *dst, *[d] * pad], dtype=torch.int32)], arity)
 
 
-# What each neuron graph entry's `backend` records about its NxD call (eagle3_build/backends/neuron.py)
+# What each neuron graph entry's `backend` records about its NxD call (eagle3_build/backends/neuron/)
 CALL_FIELDS = {"format": str, "key": str, "bucket_index": int, "arity": int, "n_out": int}
 MAX_ARITY = 64  # inputs / outputs of one call; no graph role comes near this
 
@@ -296,3 +298,61 @@ def graph_fn(model: NxDModel, n_outputs: int):
         return tuple(x.to(torch.int64) if not x.dtype.is_floating_point else x for x in out)
 
     return run
+
+
+class NeuronBackend(RuntimeBackend):
+    """Every rank in this process: one NxD model per model, KV caches on the device."""
+
+    name = "neuron"
+    spmd = True
+    state_on_host = False
+    native_code = True
+    graph_kind = "an NxD model (graphs/<model>.pt)"
+
+    @classmethod
+    def host_checks(cls, m: Manifest, environ) -> list[Check]:
+        try:
+            check_host(m, environ=environ)
+        except NeuronHostError as e:
+            msg = str(e)
+            return [Check("backend", False, msg, BACKEND if ("not installed" in msg or "compiled with" in msg)
+                          else DEVICE)]
+        return [Check("backend", True, f"neuron SDK {m.toolchain.get('neuronx_cc')} matches, NeuronCores available")]
+
+    @classmethod
+    def manifest_checks(cls, m: Manifest, root: Path) -> list[Check]:
+        try:
+            check_manifest(m, str(Path(root) / MANIFEST))
+        except BundleError as e:
+            return [Check("nxd calls", False, str(e), BAD_BUNDLE)]
+        return [Check("nxd calls", True, f"{len(m.graphs)} graph entries name their NxD key, bucket and call layout")]
+
+    @classmethod
+    def checks_weight_headers(cls) -> bool:
+        return False  # NxD's checkpoints: the traced parameter names, checked by nxd_model.initialize
+
+    @classmethod
+    def join_world(cls, m: Manifest, environ=os.environ) -> TPContext | None:
+        if (world_size(environ) or 1) > 1:
+            raise BundleError(torchrun_refusal(m.tp_degree))
+        return None
+
+    def __init__(self, root: Path, m: Manifest, rank: int):
+        super().__init__(root, m, rank)
+        check_manifest(m, str(self.root / MANIFEST))
+        try:
+            check_host(m)
+        except NeuronHostError as e:
+            raise BundleError(f"{self.root}: {e}") from e
+        self.nxd = {name: NxDModel(self.root, m, name, lambda f: bundle_file(self.root, f.path)) for name in m.models}
+        on_device = {s.name: torch.zeros(0, dtype=torch_dtype(s.dtype)) for s in m.state}
+        self.graphs = {(g.role, g.bucket): Graph(g, graph_fn(self.nxd[g.model], len(g.outputs)), (),
+                                                 on_device[g.state], torch.zeros(1, dtype=torch.int64))
+                       for g in m.graphs}
+
+    def copy_kv_row(self, src: int, dst: int) -> None:
+        for model in self.nxd.values():
+            model.move_row(src, dst)
+
+    def compact_kv(self, row: int, src: list[int], dst: list[int]) -> None:
+        self.nxd["target"].compact(row, src, dst)  # (the target's kv_compact key)

@@ -1,4 +1,4 @@
-"""Backend `neuron`: SPMD NEFFs through NxD's ModelBuilder, the API NxDI builds with.
+"""Backend `neuron`, the models it compiles: SPMD NEFFs through NxD's ModelBuilder, the API NxDI builds with.
 
 One `neuronx_distributed.trace.model_builder.ModelBuilder` per model (target, draft):
   * keys = the model's graph roles plus `kv_move` (the KV-row move of continuous batching) and, on
@@ -33,28 +33,23 @@ that contract (tests/neuron_standin.py); the NEFF compile itself runs only where
 from __future__ import annotations
 
 import copy
-import functools
 import glob
 import importlib
 import os
 import shlex
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from eagle3_runtime import manifest
 from eagle3_runtime.manifest import PREFILL_ROLES, ROLES, index_dtype, torch_dtype
-from eagle3_runtime.neuron import (COMPACT_FIELD, KV_COMPACT, KV_MOVE, NXD_FORMAT, PLACEHOLDER_DTYPE, compact_pairs,
+from eagle3_runtime.backends.neuron import (KV_COMPACT, KV_MOVE, PLACEHOLDER_DTYPE, compact_pairs,
                                    kv_compact_inputs, kv_move_inputs, routing_signature)
 
-from ..errors import UserError
-from ..graphs import ROLE_MODULES, GraphSpec
-from ..models.llama import KVCache
-from ..recipe import check_backend_options
-from .base import NEURON_INSTALL_HINT, NEURON_SDK, Backend, preflight
+from ...errors import UserError
+from ...graphs import ROLE_MODULES, GraphSpec
+from ...models.llama import KVCache
+from ..base import NEURON_INSTALL_HINT, NEURON_SDK, preflight
 
 NAME = "neuron"
 SUFFIX = ".pt"
@@ -359,86 +354,3 @@ KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's 
 def _no_checkpoint():
     raise RuntimeError("eagle3-build shards the weights itself (weights/<model>/tp<r>_sharded_checkpoint.safetensors); "
                        "ModelBuilder's checkpoint_loader is never used")
-
-
-class NeuronBackend(Backend):
-    """Bound to one recipe pair's options (flags are validated once, before any graph)."""
-
-    NAME, SUFFIX = NAME, SUFFIX
-    SPMD = True  # one artifact per model (all ranks, all keys); weights as NxD checkpoints
-    INDEX_DTYPE = INDEX_DTYPE
-
-    def __init__(self, backend_options: dict):
-        check_backend_options(NAME, backend_options)
-        self.versions = sdk_versions()  # fails fast, before any checkpoint is read
-        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE, KV_COMPACT]}
-        first = next(iter(self.role_args.values()))
-        self.target = flag_value(first, "--target") or "trn2"
-        self.lnc = int(flag_value(first, "--lnc") or 2)
-        if any(flag_value(a, "--target") != flag_value(first, "--target") or flag_value(a, "--lnc") !=
-               flag_value(first, "--lnc") for a in self.role_args.values()):
-            raise UserError("backend_options.role_compiler_args: --target and --lnc must be the same for every role "
-                            "(one bundle runs on one instance type)")
-
-    def version(self) -> str:
-        return self.versions["torch-neuronx"]
-
-    def toolchain(self) -> dict[str, str]:
-        versions = {key: self.versions[pip] for key, pip in manifest.NEURON_SDK.values()}
-        return {**versions, "neuron_target": self.target, "neuron_lnc": str(self.lnc)}
-
-    JOB_MEMORY_GB = 16.0  # neuronx-cc on an 8B-class graph; plan/--jobs use it
-
-    def key_fields(self, role: str) -> dict:
-        return {"name": NAME, "versions": self.versions, "compiler_args": self.role_args[role]}
-
-    def compile_model(self, mg: ModelGraphs, tp: int, out_dir: Path) -> dict:
-        """Trace and compile every key of one model with ModelBuilder into out_dir/<model>.pt plus
-        out_dir/<graph>.neff; returns the per-graph backend info."""
-        from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
-
-        mg.check_routing()
-        shared = DeviceModel(mg)
-        key_cls = KEY_CLASSES[mg.arity]
-        workdir = out_dir / "nxd-workdir"  # new: ModelBuilder.trace() removes its workdir first
-        builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
-                               compiler_workdir=str(workdir), logical_nc_config=self.lnc)
-        n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
-        shapes = {spec.role: spec.shape for spec, _ in mg.graphs}
-        for key in mg.keys():
-            instance = BaseModelInstance(functools.partial(key_cls, key, shared, n_inputs[key], mg.n_out,
-                                                           shapes.get(key)),
-                                         input_output_aliases={shared.kv: mg.n_out})
-            builder.add(key=key, model_instance=instance, example_inputs=mg.examples(key),
-                        compiler_args=shlex.join(self.role_args[key]),
-                        priority_model_idx=0 if key == priority_role(mg.name, mg.keys()) else None)
-        env = {} if neuron_devices() else {"NEURON_PLATFORM_TARGET_OVERRIDE": self.target}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            traced = builder.trace(initialize_model_weights=False)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        torch.jit.save(traced, str(out_dir / f"{mg.name}{SUFFIX}"))
-        info, index = {}, {}
-        for spec, _ in mg.graphs:
-            i = index[spec.role] = index.get(spec.role, -1) + 1
-            info[spec.name] = self._keep_neff(workdir, spec.role, i, out_dir / f"{spec.name}.neff") | {
-                "format": NXD_FORMAT, "model_file": f"{mg.name}{SUFFIX}", "key": spec.role, "bucket_index": i,
-                "arity": mg.arity, "n_out": mg.n_out, "compiler_args": list(self.role_args[spec.role])}
-            if mg.compact_pairs:  # the runtime pads kv_compact calls to these pairs (runtime/neuron.py)
-                info[spec.name][COMPACT_FIELD] = mg.compact_pairs
-        info[KV_MOVE] = self._keep_neff(workdir, KV_MOVE, 0, out_dir / f"{mg.name}_{KV_MOVE}.neff")
-        if mg.compact_pairs:
-            info[KV_COMPACT] = self._keep_neff(workdir, KV_COMPACT, 0, out_dir / f"{mg.name}_{KV_COMPACT}.neff")
-        shutil.rmtree(workdir, ignore_errors=True)
-        return info
-
-    @staticmethod
-    def _keep_neff(workdir: Path, key: str, bucket: int, dest: Path) -> dict:
-        src = workdir / key / f"_tp0_bk{bucket}" / "graph.neff"
-        if not src.is_file():
-            return {}
-        shutil.copyfile(src, dest)
-        return {"neff": dest.name}

@@ -1,4 +1,4 @@
-"""The compile worker: a long-lived process (`python -m eagle3_build.compile.worker --serve BACKEND PARENT_PID`)
+"""The compile worker: a long-lived process (`python -m eagle3_build.backends.worker --serve BACKEND PARENT_PID`)
 that compiles one staged graph at a time for the scheduler and answers `done <rc>` per task."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .scheduler import COMPILE_ERROR_EXIT, INJECT_ENV
+from ..compile.scheduler import COMPILE_ERROR_EXIT, INJECT_ENV
 
 
 def run_task(staging: Path, backends: dict) -> int:
@@ -21,8 +21,8 @@ def run_task(staging: Path, backends: dict) -> int:
     try:
         import torch
 
-        from ..backends.registry import get_backend
-        from .tracing import tracing_process_group
+        from ..compile.tracing import tracing_process_group
+        from .registry import get_backend
 
         torch.set_num_threads(1)
         ident = json.dumps([task["backend"], task["backend_options"], task["cache_root"]], sort_keys=True)
@@ -97,7 +97,7 @@ def serve(backend: str) -> int:
 
 if __name__ == "__main__":
     die_with_parent(int(sys.argv[3]))
-    rc = serve(sys.argv[2])  # (python -m eagle3_build.compile.worker --serve BACKEND PARENT_PID)
+    rc = serve(sys.argv[2])  # (python -m eagle3_build.backends.worker --serve BACKEND PARENT_PID)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # Inductor's compile-worker pool can keep a normal interpreter exit waiting

@@ -1,0 +1,63 @@
+"""Backend `aoti`: AOTInductor packages, native code for one torch ABI and one ISA (or CUDA device),
+weights passed as inputs on every call (nothing copied), some packed at load for the host's GEMMs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..manifest import BundleError, GraphEntry, Manifest
+from ..signature import Signature, aoti_signature, read_zip_signature
+from .base import BACKEND, DEVICE, Check, GraphFn
+from .host import HostBackend
+
+CPU_ISA_RANK = {"DEFAULT": 0, "VSX": 1, "ZVECTOR": 1, "SVE256": 1, "AVX2": 1, "AVX512": 2}
+
+
+class AotiBackend(HostBackend):
+    name = "aoti"
+    native_code = True
+    graph_kind = "an AOTInductor package (a wrapper .so with its metadata)"
+
+    @classmethod
+    def host_checks(cls, m: Manifest, environ) -> list[Check]:
+        tc = m.toolchain
+        if tc.get("torch") != torch.__version__:
+            return [Check("backend", False, f"aoti graphs were compiled against torch {tc.get('torch')}, this host "
+                                            f"has {torch.__version__}; install torch=={tc.get('torch')} or rebuild "
+                                            "the bundle here", BACKEND)]
+        out = [Check("backend", True, f"aoti, torch {torch.__version__}")]
+        target = tc.get("aoti_target", "cpu:DEFAULT")
+        kind, _, isa = target.partition(":")
+        if kind == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            ok = n >= m.tp_degree
+            out.append(Check("device", ok, f"{target}: {n} CUDA device(s) for tp {m.tp_degree}" if ok else
+                             f"aoti graphs were compiled for {target}; this host has {n} CUDA device(s), the bundle "
+                             f"needs {m.tp_degree}; use a GPU host or rebuild with device: cpu", DEVICE))
+        else:
+            host = torch.backends.cpu.get_cpu_capability()
+            ok = CPU_ISA_RANK.get(host, 0) >= CPU_ISA_RANK.get(isa, 0)
+            out.append(Check("device", ok, f"compiled for {isa} CPUs, host supports {host}" if ok else
+                             f"aoti graphs were compiled for {isa} CPUs, this host supports {host}; rebuild the "
+                             "bundle on (or for) this host", DEVICE))
+        return out
+
+    @classmethod
+    def read_signature(cls, path: Path) -> Signature | None:
+        return read_zip_signature(path, aoti_signature, cls.name, cls.graph_kind)
+
+    def __init__(self, root: Path, m: Manifest, rank: int):
+        for c in self.host_checks(m, {}):  # native code: refuse before loading any of it
+            if not c.ok:
+                raise BundleError(c.detail)
+        super().__init__(root, m, rank)
+
+    def load_graph(self, path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
+        """The low-level loader skips aoti_load_package's first-call CPU checks (~17 s measured)."""
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+        def run(ws, kv, *inputs):
+            return tuple(loader.boxed_run([*ws, kv, *inputs]))
+
+        return run

@@ -1,0 +1,193 @@
+"""What every runtime backend is: one object per bundle, chosen once from `manifest.backend`
+(backends/__init__.py), that checks the host, loads the graphs bound to their weights and KV caches,
+moves KV rows and tree slots, joins the tensor-parallel world, and warms up (timing every graph's first
+call on this host).
+
+The engine sees only `GraphRunner`: graph(role, bucket), copy_kv_row, compact_kv, warm_up. Tensor
+parallelism over torchrun wraps a backend in another GraphRunner (tp.py) instead of patching it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from ..errors import Eagle3Error
+from ..manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
+from ..signature import Signature
+
+GraphFn = Callable[..., tuple]
+DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifest.DTYPE_TABLE)
+
+# `eagle3-build check` verdicts (compat.py): exit codes for deploy scripts
+OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    code: int = OK
+
+
+@dataclass
+class Graph:
+    """One compiled graph bound to this rank's weights, KV cache and rank tensor."""
+
+    entry: GraphEntry
+    fn: GraphFn
+    weights: tuple[torch.Tensor, ...]
+    kv: torch.Tensor
+    rank: torch.Tensor
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = (self.rank, *inputs)
+        if len(inputs) != len(self.entry.inputs):
+            raise ValueError(f"{self.entry.name}: {len(inputs)} inputs, the graph takes {len(self.entry.inputs)}")
+        for spec, x in zip(self.entry.inputs, inputs):
+            if list(x.shape) != spec.shape:
+                raise ValueError(f"{self.entry.name}: input {spec.name} has shape {list(x.shape)}, "
+                                 f"the graph was built for {spec.shape}")
+        inputs = tuple(x if x.dtype == DTYPES[s.dtype] else x.to(DTYPES[s.dtype])  # (int32 indices on Neuron)
+                       for s, x in zip(self.entry.inputs, inputs))
+        out = self.fn(self.weights, self.kv, *inputs)
+        return out if isinstance(out, tuple) else tuple(out)
+
+
+def call_by_name(graph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Call a graph (a Graph, or anything with its `entry` and call) with its inputs by name and get
+    its outputs by name: the names of its manifest entry (manifest.ROLES), in whatever order it lists them."""
+    order = [s.name for s in graph.entry.inputs[1:]]  # [0] is the rank
+    if set(inputs) != set(order):
+        raise ValueError(f"{graph.entry.name}: called with inputs {sorted(inputs)}, the graph takes {order}")
+    out = graph(*(inputs[n] for n in order))
+    return {s.name: x for s, x in zip(graph.entry.outputs, out)}
+
+
+@dataclass(frozen=True)
+class TPContext:
+    rank: int
+    world_size: int
+    ctrl: object  # the control process group
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def world_size(environ) -> int | None:
+    """$WORLD_SIZE as torchrun sets it (None when unset); anything but a positive integer is an Eagle3Error."""
+    raw = environ.get("WORLD_SIZE")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1 << 20:
+        raise Eagle3Error(f"WORLD_SIZE={raw[:40]!r} is not a number of processes; unset it, or start the runtime "
+                          "with torchrun, which sets it")
+    return n
+
+
+class GraphRunner:
+    """What the engine calls: a bundle's graphs by role and bucket, and the KV moves between calls."""
+
+    manifest: Manifest
+    root: Path
+    timings: dict[str, float]  # graph name -> seconds of its first call on this host (warm_up)
+
+    def graph(self, role: str, bucket: int):
+        raise NotImplementedError
+
+    def copy_kv_row(self, src: int, dst: int) -> None:
+        """Move a sequence's KV-cache row (every cache's "rows" dim) from row `src` to row `dst`."""
+        raise NotImplementedError
+
+    def compact_kv(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Move the target KV of an accepted tree path into place: "positions" slots `src` -> `dst` of one
+        row (all slots read before any is written)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def warm_up(self) -> dict[str, float]:
+        """Call every graph once on zeros (what NxDI and vLLM do before serving) and record each first
+        call's time on this host in `timings`: a graph that cannot run here fails now, as one BundleError
+        naming it, instead of in the middle of a request, and the first, slow call of each bucket is paid
+        before the first request. The KV caches' contents do not matter (a row's positions are written
+        before they are read)."""
+        self.timings = {}
+        for g in self.manifest.graphs:
+            inputs = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}
+            t0 = time.perf_counter()
+            try:
+                call_by_name(self.graph(g.role, g.bucket), inputs)
+            except Eagle3Error:
+                raise
+            except Exception as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+                raise BundleError(f"{self.root}: graph {g.name} fails on its first call ({type(e).__name__}: "
+                                  f"{first}); the bundle does not run on this host — rebuild it") from e
+            self.timings[g.name] = time.perf_counter() - t0
+        return self.timings
+
+
+class RuntimeBackend(GraphRunner):
+    """One backend's whole runtime side. Class-level facts and checks need nothing loaded (`check`);
+    an instance is one process's loaded share of a bundle."""
+
+    name: ClassVar[str]
+    spmd: ClassVar[bool] = False  # one process drives every rank (else: one process per rank, torchrun)
+    state_on_host: ClassVar[bool] = True  # the KV caches are host tensors (counted against host memory)
+    graph_kind: ClassVar[str] = ""  # what its graph files are, for messages
+    native_code: ClassVar[bool] = False  # its graph files are machine code: a remote one is trusted only by a pin
+
+    # ---- before anything is loaded
+    @classmethod
+    def host_checks(cls, m: Manifest, environ) -> list[Check]:
+        """Whether this host can run the bundle's graphs (toolchain, ISA, devices)."""
+        raise NotImplementedError
+
+    @classmethod
+    def manifest_checks(cls, m: Manifest, root: Path) -> list[Check]:
+        """Backend fields of the graph entries, checked as data."""
+        return []
+
+    @classmethod
+    def read_signature(cls, path: Path) -> Signature | None:
+        """What a graph file says it takes and returns (signature.py); None where the files are not read."""
+        return None
+
+    @classmethod
+    def check_graph_file(cls, data: bytes, name: str) -> None:
+        """Refuse a graph file that holds more than a graph (before it is loaded)."""
+
+    @classmethod
+    def checks_weight_headers(cls) -> bool:
+        """Whether the weight files are the manifest's per-rank safetensors (their headers checked)."""
+        return True
+
+    @classmethod
+    def ranks_held(cls, rank: int) -> int | None:
+        """The rank whose weight files this process reads (None: every rank's, SPMD)."""
+        return None if cls.spmd else rank
+
+    @classmethod
+    def join_world(cls, m: Manifest, environ) -> TPContext | None:
+        """This process's place in the tensor-parallel world (None: it holds the whole bundle)."""
+        raise NotImplementedError
+
+    def __init__(self, root: Path, m: Manifest, rank: int):
+        self.root, self.manifest, self.rank, self.timings = Path(root), m, rank, {}
+        self.weights: dict[str, torch.Tensor] = {}  # "model/tensor" -> host tensor (where the host holds them)
+        self.graphs: dict[tuple[str, int], Graph] = {}
+
+    def graph(self, role: str, bucket: int) -> Graph:
+        try:
+            return self.graphs[(role, bucket)]
+        except KeyError as e:
+            raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}") from e
