@@ -376,6 +376,8 @@ class StandInModelBuilder:
                     (bucket_dir / "graph.neff").write_bytes(f"NEFF stand-in {key} {i}".encode())
                     log = f" --logfile={bucket_dir / 'log-neuron-cc.txt'}"
                     c.setdefault("bucket_args", []).append(c["compiler_args"] + log)
+                if len(c["examples"]) == 1:  # generate_hlo(preserve_parameters=False): the weights are dropped
+                    _throw_away_parameters(c["instance"].get(0)[0])
         finally:
             _TP["size"] = None
         if dry_run:
@@ -511,6 +513,14 @@ def _set(module, dotted: str, tensor: torch.Tensor) -> None:
     setattr(module, leaf, tensor)
 
 
+def _throw_away_parameters(module) -> None:
+    """What ModelBuilder does after tracing a key with one bucket ("Memory optimization: Throw away weights if
+    only one bucket is used", preserve_parameters=False): the module's Parameters lose their data, so a key
+    traced later over the same Parameter objects fails, as it would on the real SDK."""
+    for p in module.parameters():
+        p.data = torch.zeros(0, dtype=p.dtype)
+
+
 def _strip(traced, spec: dict):
     """A copy of a traced graph without its weights and states (what the saved NxD model holds)."""
     buf = io.BytesIO()
@@ -534,21 +544,37 @@ class StandInExecutor:
 
 # ------------------------------------------------------------------ installing it
 
-def install(monkeypatch, neuronx=None, device_dir=None) -> StandInNeuronx:
+class StandInModelBuilder016(StandInModelBuilder):
+    """NxD 0.16's (SDK 2.27) ModelBuilder: its `trace()` has no `disable_fail_fast`."""
+
+    def trace(self, initialize_model_weights=True, dry_run=False):
+        return super().trace(initialize_model_weights, dry_run)
+
+
+BUILDERS = {None: StandInModelBuilder, "2.29": StandInModelBuilder, "2.27": StandInModelBuilder016}
+
+
+def install(monkeypatch, neuronx=None, device_dir=None, release: str | None = None) -> StandInNeuronx:
     """Put the stand-in where `import torch_neuronx` / `neuronx_distributed` (and the SDK presence checks)
-    find it; torch.jit.save / load handle its executor."""
+    find it; torch.jit.save / load handle its executor. `release` ("2.27", "2.29"): the packages report that
+    SDK release's versions and ModelBuilder has its `trace` signature; None: stand-in versions."""
+    from eagle3_build.backends.neuron.releases import RELEASES
+
+    def version(pip: str) -> str:
+        return RELEASES[release][pip] if release else VERSION
+
     neuronx = neuronx or StandInNeuronx()
     mod = types.ModuleType("torch_neuronx")
-    mod.__version__, mod.trace, mod.replace_weights = neuronx.__version__, neuronx.trace, neuronx.replace_weights
+    mod.__version__, mod.trace, mod.replace_weights = version("torch-neuronx"), neuronx.trace, neuronx.replace_weights
     monkeypatch.setitem(sys.modules, "torch_neuronx", mod)
-    for name in ("neuronxcc", "libneuronxla"):
+    for name, pip in (("neuronxcc", "neuronx-cc"), ("libneuronxla", "libneuronxla")):
         m = types.ModuleType(name)
-        m.__version__ = VERSION
+        m.__version__ = version(pip)
         monkeypatch.setitem(sys.modules, name, m)
     nxd = types.ModuleType("neuronx_distributed")
-    nxd.__version__ = VERSION
+    nxd.__version__ = version("neuronx-distributed")
     trace_pkg, mb = types.ModuleType("neuronx_distributed.trace"), types.ModuleType("neuronx_distributed.trace.model_builder")
-    mb.ModelBuilder, mb.BaseModelInstance = StandInModelBuilder, BaseModelInstance
+    mb.ModelBuilder, mb.BaseModelInstance = BUILDERS[release], BaseModelInstance
     layers_pkg = types.ModuleType("neuronx_distributed.parallel_layers")
     mappings = types.ModuleType("neuronx_distributed.parallel_layers.mappings")
     mappings.reduce_from_tensor_model_parallel_region = reduce_from_tensor_model_parallel_region
@@ -585,7 +611,7 @@ def install(monkeypatch, neuronx=None, device_dir=None) -> StandInNeuronx:
         monkeypatch.setenv("NEURON_STANDIN_DEVICE_DIR", str(device_dir))
     import eagle3_runtime.backends.neuron as rn
 
-    monkeypatch.setattr(rn, "installed_versions", lambda: {k: VERSION for k in rn.SDK.values()})
+    monkeypatch.setattr(rn, "installed_versions", lambda: {k: version(rn.PIP_NAMES[k]) for k in rn.SDK.values()})
     StandInModelBuilder.instances.clear()
     return neuronx
 

@@ -169,3 +169,49 @@ def test_pypi_placeholder_sdk_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in r.stderr and "WRONG PACKAGE" not in r.stderr
 
 
+
+
+# ------------------------------------------------------------------ SDK releases: one stack per release
+
+def test_every_sdk_release_has_its_extra_and_neuron_is_the_newest():
+    """pyproject's extras install one release's stack whole, as releases.py lists it."""
+    import tomllib
+
+    from eagle3_build.backends.neuron.releases import NEWEST, RELEASES, extra_name, requirements
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for release in RELEASES:
+        assert extras[extra_name(release)] == requirements(release), release
+    assert extras["neuron"] == requirements(NEWEST) and NEWEST == max(RELEASES)
+
+
+def test_a_mixed_sdk_stack_is_refused_and_a_release_is_named():
+    from eagle3_build.backends.neuron.releases import RELEASES, SDK_PACKAGES, release_of
+    from eagle3_build.errors import UserError
+
+    for release, row in RELEASES.items():
+        assert release_of({pkg: row[pkg] for pkg in SDK_PACKAGES}) == release
+    assert release_of({pkg: "9.9.9" for pkg in SDK_PACKAGES}) == "unknown"  # a newer SDK: recorded as such
+    mixed = {pkg: RELEASES["2.29"][pkg] for pkg in SDK_PACKAGES} | {"neuronx-distributed": RELEASES["2.27"]["neuronx-distributed"]}
+    with pytest.raises(UserError, match=r"mixes releases .*neuronx-distributed 0\.16\.25997 \(2\.27\).*eagle3-build\[neuron-2-29\]"):
+        release_of(mixed)
+
+
+@pytest.mark.parametrize("release", ["2.27", "2.29"])
+def test_each_sdk_release_compiles_a_model_and_is_recorded(monkeypatch, tmp_path, release):
+    """The stand-in at each release (NxD 0.16's trace() has no disable_fail_fast): a model compiles through
+    its ModelBuilder and the bundle's toolchain names the release."""
+    from neuron_standin import install
+    from test_neuron_spmd import neuron_pair, spmd_graphs
+
+    from eagle3_build.backends.neuron.backend import NeuronBackend
+
+    install(monkeypatch, release=release)
+    backend = NeuronBackend({})
+    assert backend.toolchain()["neuron_sdk_release"] == release
+    pair = neuron_pair(tmp_path, 2)
+    pair = pair.model_copy(update={
+        "buckets": pair.buckets.model_copy(update={"prefill": [pair.buckets.prefill[0]], "batch": [1]}),
+        "speculation": pair.speculation.model_copy(update={"shapes": {1: pair.speculation.shapes[1]}})})
+    info = backend.compile_model(spmd_graphs(pair)["draft"], 2, tmp_path / "out")
+    assert (tmp_path / "out" / "draft.pt").is_file() and "kv_move" in info

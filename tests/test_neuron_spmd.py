@@ -407,3 +407,24 @@ def test_tree_bundle_decodes_like_transformers(standin_sdk, tmp_path):
     flat = " ".join(r.output.split())
     assert r.exit_code == 2 and "FAIL nxd calls" in flat and "no kv_compact key" in flat, r.output
     assert "Traceback" not in r.output
+
+
+def test_every_key_owns_its_module_because_single_bucket_keys_drop_their_weights(standin_sdk, tmp_path):
+    """ModelBuilder traces a key that has one bucket with preserve_parameters=False (the stand-in drops that
+    module's Parameters as the SDK does). A pair whose keys all have one bucket (the GPT-OSS seed's shape:
+    one prefill, one batch bucket) builds, and no Parameter object is shared between two keys' modules."""
+    from eagle3_build.backends.neuron.backend import NeuronBackend
+
+    pair = neuron_pair(tmp_path, 2)
+    pair = pair.model_copy(update={
+        "buckets": pair.buckets.model_copy(update={"prefill": [pair.buckets.prefill[0]], "batch": [1]}),
+        "speculation": pair.speculation.model_copy(update={"shapes": {1: pair.speculation.shapes[1]}})})
+    mg = spmd_graphs(pair)["target"]
+    assert all(len(mg.examples(k)) == 1 for k in mg.keys()) and len(mg.keys()) >= 4
+    NeuronBackend({}).compile_model(mg, 2, tmp_path / "out")
+    builder = StandInModelBuilder.instances[-1]
+    owners: dict[int, str] = {}
+    for key, c in builder.model_collection.items():
+        for p in c["instance"].module.parameters():
+            assert owners.setdefault(id(p), key) == key, f"{key} shares a Parameter with {owners[id(p)]}"
+    assert len(builder.model_collection) == len(mg.keys())

@@ -262,6 +262,7 @@ class NxDModel:
     def __init__(self, root: Path, m: Manifest, name: str, file_of):
         """`file_of(entry)` gives a FileEntry's checked path inside the bundle."""
         call = nxd_call(m, name, str(Path(root) / MANIFEST))  # (data first: before the SDK is imported)
+        import neuronx_distributed  # noqa: F401  (NxDI's load path imports NxD before torch.jit.load)
         import torch_neuronx  # noqa: F401  (registers the torch.classes.neuron the saved model uses [inferred])
         from safetensors.torch import load_file
 

@@ -18,8 +18,9 @@ from ...errors import UserError
 from ...recipe import check_backend_options
 from ..base import Backend
 from . import bundle
-from .model import (INDEX_DTYPE, KEY_CLASSES, NAME, SUFFIX, DeviceModel, ModelGraphs, _no_checkpoint, compiler_args,
-                    flag_value, neuron_devices, neuronx_cc_command, priority_role, sdk_versions)
+from .releases import release_of
+from .model import (INDEX_DTYPE, NAME, SUFFIX, ModelGraphs, _no_checkpoint, compiler_args, flag_value, key_instance,
+                    key_module, neuron_devices, neuronx_cc_command, priority_role, sdk_versions)
 
 
 class NeuronBackend(Backend):
@@ -31,6 +32,7 @@ class NeuronBackend(Backend):
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
+        self.release = release_of(self.versions)  # (a mixed stack is refused here)
         self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE, KV_COMPACT]}
         first = next(iter(self.role_args.values()))
         self.target = flag_value(first, "--target") or "trn2"
@@ -45,7 +47,8 @@ class NeuronBackend(Backend):
 
     def toolchain(self) -> dict[str, str]:
         versions = {key: self.versions[pip] for key, pip in manifest.NEURON_SDK.values()}
-        return {**versions, "neuron_target": self.target, "neuron_lnc": str(self.lnc)}
+        return {**versions, "neuron_sdk_release": self.release, "neuron_target": self.target,
+                "neuron_lnc": str(self.lnc)}
 
     JOB_MEMORY_GB = 16.0  # neuronx-cc on an 8B-class graph; plan/--jobs use it
     ESTIMATE_S = 600.0  # neuronx-cc for a decode-sized graph
@@ -59,18 +62,15 @@ class NeuronBackend(Backend):
         from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
 
         mg.check_routing()
-        shared = DeviceModel(mg)
-        key_cls = KEY_CLASSES[mg.arity]
         workdir = out_dir / "nxd-workdir"  # new: ModelBuilder.trace() removes its workdir first
         builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
                                compiler_workdir=str(workdir), logical_nc_config=self.lnc)
         n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
         shapes = {spec.role: spec.shape for spec, _ in mg.graphs}
-        for key in mg.keys():
-            instance = BaseModelInstance(functools.partial(key_cls, key, shared, n_inputs[key], mg.n_out,
-                                                           shapes.get(key)),
-                                         input_output_aliases={shared.kv: mg.n_out})
-            builder.add(key=key, model_instance=instance, example_inputs=mg.examples(key),
+        for key in mg.keys():  # a fresh module per key, built when ModelBuilder loads the key
+            make = functools.partial(key_module, mg, key, n_inputs[key], shapes.get(key))
+            builder.add(key=key, model_instance=key_instance(BaseModelInstance, make, mg.n_out),
+                        example_inputs=mg.examples(key),
                         compiler_args=shlex.join(self.role_args[key]),
                         priority_model_idx=0 if key == priority_role(mg.name, mg.keys()) else None)
         env = {} if neuron_devices() else {"NEURON_PLATFORM_TARGET_OVERRIDE": self.target}

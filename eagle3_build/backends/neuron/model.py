@@ -8,9 +8,13 @@ One `neuronx_distributed.trace.model_builder.ModelBuilder` per model (target, dr
     shorter roles, as NxDI passes torch.empty(0)) and returns its `n_out` outputs, because NxD packs
     every key's outputs with key #1's packer [confirmed: model_builder.py build_nxd_model; the fixed
     arity is inferred from its torch.jit.trace'd NxDModelExecutor];
-  * every key's module (`NeuronKey`) shares ONE set of weight Parameters, ONE KV-cache state
-    Parameter and ONE int32 rank weight: NxD shards with key #1's module and shares states across
-    keys [confirmed: spmd.py, model_builder.py shard_checkpoint]. The cache is updated functionally
+  * every key gets a fresh module (`NeuronKey` over its own `DeviceModel`: weight Parameters, a KV-cache
+    state Parameter and an int32 rank weight, named alike in every key), built by the key's model
+    instance when ModelBuilder loads it, as NxDI's DecoderModelInstance does: NxD shards with key #1's
+    module and shares weights and states across keys by name [confirmed: spmd.py, model_builder.py
+    shard_checkpoint], and ModelBuilder traces a key with a single bucket with `preserve_parameters=False`
+    ("throw away weights if only one bucket is used") [confirmed: model_builder.py _generate_hlo], so no
+    Parameter object may be shared between keys. The cache is updated functionally
     and returned as the output aliased to the state, `input_output_aliases={kv: n_out}` [confirmed:
     BaseModelInstance, NxDI DecoderModelInstance.get]; the rank is `rank_util.rank` ([r] on rank r,
     NxD's SPMDRank pattern) [confirmed: parallel_layers/layers.py SPMDRank];
@@ -282,8 +286,8 @@ class NxDCollectives:
 
 
 class DeviceModel:
-    """The tensors every key of one builder shares: the weights (Parameters, zeros: the real ones are
-    bound by `nxd_model.initialize`), the KV-cache state and the rank weight."""
+    """One key's tensors, named as in every other key of the builder: the weights (Parameters, zeros: the
+    real ones are bound by `nxd_model.initialize`), the KV-cache state and the rank weight."""
 
     def __init__(self, mg: ModelGraphs):
         model = copy.deepcopy(mg.model)
@@ -299,16 +303,16 @@ class DeviceModel:
 
 
 class NeuronKey(nn.Module):
-    """One ModelBuilder key: `role` over the shared weights, state and rank weight; returns the role's
-    outputs, zeros[1] up to n_out, then the new KV cache (aliased to the state)."""
+    """One ModelBuilder key: `role` over its own weights, state and rank weight (`tensors`, a DeviceModel);
+    returns the role's outputs, zeros[1] up to n_out, then the new KV cache (aliased to the state)."""
 
-    def __init__(self, role: str, shared: DeviceModel, n_role_inputs: int, n_out: int, shape=None):
+    def __init__(self, role: str, tensors: DeviceModel, n_role_inputs: int, n_out: int, shape=None):
         super().__init__()
-        self.model, self.kv, self.rank_util = shared.model, shared.kv, shared.rank_util
+        self.model, self.kv, self.rank_util = tensors.model, tensors.kv, tensors.rank_util
         self.role, self.n_role_inputs, self.n_out = role, n_role_inputs, n_out
         # kept out of the module tree (a plain attribute): its parameters are the model's, named model.*
         object.__setattr__(self, "_role_module",
-                           None if role in (KV_MOVE, KV_COMPACT) else ROLE_MODULES[role](shared.model, shape))
+                           None if role in (KV_MOVE, KV_COMPACT) else ROLE_MODULES[role](tensors.model, shape))
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         cache = KVCache(self.kv, functional=True)
@@ -349,6 +353,26 @@ class Key6(NeuronKey):
 
 
 KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's tracing takes explicit parameters)
+
+
+def key_module(mg: ModelGraphs, key: str, n_role_inputs: int, shape=None) -> NeuronKey:
+    """A fresh module for one key: its own DeviceModel (nothing shared with another key's)."""
+    return KEY_CLASSES[mg.arity](key, DeviceModel(mg), n_role_inputs, mg.n_out, shape)
+
+
+def key_instance(base, make_module, n_out: int):
+    """The model instance ModelBuilder loads a key from (`base`: NxD's BaseModelInstance): a fresh module on
+    every `load_module`, its own KV state aliased to output `n_out` (NxDI's DecoderModelInstance pattern)."""
+
+    class KeyInstance(base):
+        def __init__(self):
+            super().__init__(make_module, input_output_aliases={})
+
+        def load_module(self):
+            self.module = self.module_cls()
+            self.input_output_aliases = [{self.module.kv: n_out}]
+
+    return KeyInstance()
 
 
 def _no_checkpoint():
