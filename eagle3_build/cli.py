@@ -408,6 +408,7 @@ def plan_cmd(
 def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                 as_json: bool = typer.Option(False, "--json")):
     """Summarise a bundle's manifest."""
+    from eagle3_runtime.backends import backend_class
     from eagle3_runtime.bundle import BundleError
     from eagle3_runtime.reader import read_manifest
 
@@ -449,15 +450,8 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         size = sum(f.size for f in model.weight_files)
         out_console.print(f"weights {name}: {len(model.tensors)} tensors, {size / 1e6:.1f} MB, "
                           f"{len(model.weight_files)} rank file(s)")
-        if m.backend == "neuron":  # one NxD model per model; NxD's per-rank checkpoints
-            keys = sorted({g.role for g in m.graphs if g.model == name})
-            model_file = next(g.file for g in m.graphs if g.model == name)
-            moves = "kv_move" + (", kv_compact" if any("kv_compact_pairs" in g.backend for g in m.graphs
-                                                       if g.model == name) else "")
-            out_console.print(f"  nxd model {model_file.path} ({model_file.size / 1e6:.1f} MB): keys "
-                              f"{', '.join(keys)}, {moves}", highlight=False)
-            for f in model.weight_files:
-                out_console.print(f"  {f.path}  {f.size / 1e6:.2f} MB", highlight=False)
+        for line in backend_class(m.backend).describe_model(m, name):  # (what the backend adds per model)
+            out_console.print(f"  {line}", highlight=False)
 
 
 ExpectDigest = typer.Option(None, "--expect-digest", metavar="sha256:HEX",

@@ -24,7 +24,8 @@ NEURON_SDK = {mod: pip for mod, (_, pip) in manifest.NEURON_SDK.items()}  # impo
 NEURON_INSTALL_HINT = (
     "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host "
     f"(pip install --extra-index-url https://pip.repos.neuron.amazonaws.com {' '.join(NEURON_SDK.values())}, "
-    "or `pip install "eagle3-build[neuron-2-29]"` (one SDK release's stack: releases.py) with that index; PyPI only has placeholder packages by those names)")
+    "or `pip install 'eagle3-build[neuron-2-29]'` with that index: one SDK release's stack, "
+    "eagle3_build/backends/neuron/releases.py; PyPI only has placeholder packages by those names)")
 
 
 def missing_neuron_sdk() -> list[str]:

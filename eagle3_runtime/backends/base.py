@@ -177,6 +177,11 @@ class RuntimeBackend(GraphRunner):
         return None if cls.spmd else rank
 
     @classmethod
+    def describe_model(cls, m: Manifest, model: str) -> list[str]:
+        """Lines `eagle3-build inspect` adds for one model (its artifacts, as this backend lays them out)."""
+        return []
+
+    @classmethod
     def join_world(cls, m: Manifest, environ) -> TPContext | None:
         """This process's place in the tensor-parallel world (None: it holds the whole bundle)."""
         raise NotImplementedError

@@ -333,6 +333,15 @@ class NeuronBackend(RuntimeBackend):
         return False  # NxD's checkpoints: the traced parameter names, checked by nxd_model.initialize
 
     @classmethod
+    def describe_model(cls, m: Manifest, model: str) -> list[str]:
+        """One NxD model per model (its keys, the KV moves) and NxD's per-rank checkpoints."""
+        graphs = [g for g in m.graphs if g.model == model]
+        moves = KV_MOVE + (f", {KV_COMPACT}" if any(COMPACT_FIELD in g.backend for g in graphs) else "")
+        f = graphs[0].file
+        return ([f"nxd model {f.path} ({f.size / 1e6:.1f} MB): keys {', '.join(sorted({g.role for g in graphs}))}, "
+                 f"{moves}"] + [f"{w.path}  {w.size / 1e6:.2f} MB" for w in m.models[model].weight_files])
+
+    @classmethod
     def join_world(cls, m: Manifest, environ=os.environ) -> TPContext | None:
         if (world_size(environ) or 1) > 1:
             raise BundleError(torchrun_refusal(m.tp_degree))
