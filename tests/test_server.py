@@ -16,7 +16,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away", "def m
 
 class ServerProc:
     def __init__(self, bundle: Path | str, *args: str, torchrun: int = 0, log_dir: Path | None = None):
-        self.port = free_port()
+        self.port, self.bundle = free_port(), Path(bundle)
         self.url = f"http://127.0.0.1:{self.port}"
         cli = ["-m", "eagle3_runtime.server", str(bundle), "--port", str(self.port), *args]
         if torchrun:
@@ -205,6 +205,11 @@ def test_metrics_match_requests(server):
     assert sum(v for k, v in calls.items() if 'role="target_prefill"' in k) == 3
     assert sum(v for k, v in calls.items() if 'role="target_verify"' in k) == drafts
     assert sum(v for k, v in calls.items() if 'role="draft_step"' in k) == 2 * drafts
+    # the warm-up at start-up timed every graph once on this host
+    manifest = json.loads((server.bundle / "manifest.json").read_text())
+    warm = {k for k, v in after.items() if k.startswith("eagle3_graph_warmup_seconds{") and v > 0}
+    assert warm == {f'eagle3_graph_warmup_seconds{{bucket="{g["bucket"]}",role="{g["role"]}"}}'
+                    for g in manifest["graphs"]}, warm
 
 
 def test_queue_full_503(bundle):
