@@ -102,9 +102,11 @@ class SpecShape(_Strict):
                 raise ValueError("topk / width / num_nodes / depth do not match the static tree's choices")
         elif self.width > self.topk:
             raise ValueError(f"width {self.width} exceeds topk {self.topk}")
-        elif not self.depth <= self.num_nodes - 1 <= max_tree_nodes(self.depth, self.topk) - 1:
-            raise ValueError(f"num_nodes {self.num_nodes} must be in [depth + 1, {max_tree_nodes(self.depth, self.topk)}]"
-                             f" for depth {self.depth}, topk {self.topk}")
+        else:
+            problems = tree_problems(self.depth, self.topk, self.num_nodes)
+            if problems:
+                key, message = problems[0]
+                raise ValueError(f"{key}: {message}")
         return self
 
     @property
@@ -146,27 +148,72 @@ def max_tree_nodes(depth: int, topk: int) -> int:
     return 1 + topk + (depth - 1) * topk * topk if depth else 1
 
 
+# The speculation-shape rules, each stated once with the recipe key it is about: the recipe places every
+# problem at its line (recipe/checks.py), a manifest raises the first.
+
+def tree_problems(depth: int, topk: int, num_nodes: int) -> list[tuple[str, str]]:
+    """A dynamic tree of `depth` draft steps, `topk` children per expanded node and `num_nodes` nodes per
+    verify pass (the root included), each within its own bounds: [(recipe key, message)]."""
+    if depth == 0:
+        return [("num_speculative_tokens", "must be >= 1 with a tree (a tree drafts at least one step); for no "
+                                           "speculation at this batch bucket drop tree")]
+    most = max_tree_nodes(depth, topk)
+    bounds = f"[{depth + 1}, {min(most, MAX_NODES)}]"
+    if num_nodes < depth + 1:
+        return [("num_draft_tokens", f"must be in {bounds}, got {num_nodes}: it counts the root too, so {depth} draft "
+                                     f"steps verify at least num_speculative_tokens + 1 = {depth + 1} nodes; raise "
+                                     "num_draft_tokens or lower num_speculative_tokens")]
+    if num_nodes > most:
+        return [("num_draft_tokens", f"must be in {bounds}, got {num_nodes}: {depth} steps of topk {topk} children "
+                                     f"can grow at most {most} nodes (the root included); lower num_draft_tokens or "
+                                     "raise topk or num_speculative_tokens")]
+    return []
+
+
+def choices_problems(choices: list[list[int]]) -> list[tuple[int | None, str]]:
+    """A static tree's paths of child ranks (TensorRT-LLM eagle_choices), each rank below MAX_NODES:
+    [(index of the bad path, or None for the list, message)]."""
+    if not choices:
+        return [(None, "must not be empty: give paths of child ranks such as [[0], [1], [0, 0]] (the root is "
+                       "implied)")]
+    out: list[tuple[int | None, str]] = []
+    given = {tuple(c) for c in choices}
+    first: dict[tuple, int] = {}
+    too_deep = False
+    for i, c in enumerate(choices):
+        t = tuple(c)
+        if not t:
+            out.append((i, "an empty path [] (the root is implied); remove it"))
+        elif t in first:
+            out.append((i, f"{list(t)} appears twice (first as choices[{first[t]}]); each path names one node, "
+                           "remove one"))
+        else:
+            first[t] = i
+            if len(t) > 1 and t[:-1] not in given:
+                out.append((i, f"{list(t)} has no parent {list(t[:-1])} (the paths must be prefix-closed); add "
+                               f"{list(t[:-1])} or remove {list(t)}"))
+            if len(t) > MAX_DEPTH and not too_deep:
+                out.append((i, f"{list(t)} is {len(t)} deep; a tree has at most {MAX_DEPTH} draft steps (the "
+                               "runtime's MAX_DEPTH); shorten the paths"))
+                too_deep = True
+    if len(choices) + 1 > MAX_NODES:
+        out.append((None, f"{len(choices)} paths, at most {MAX_NODES - 1}: a verify pass holds at most {MAX_NODES} "
+                          "nodes (the runtime's MAX_NODES), the root included; remove paths"))
+    return out
+
+
 def dynamic_tree(depth: int, topk: int, num_nodes: int) -> SpecShape:
     return SpecShape(depth=depth, topk=topk, width=topk, num_nodes=num_nodes) if topk > 1 else chain(depth)
 
 
 def static_tree(choices: list[list[int]]) -> SpecShape:
     """The shape of a static tree given as TensorRT-LLM's eagle_choices: each path of child ranks names
-    one node; the set must be prefix-closed. Raises ValueError naming the first bad path."""
-    if len(choices) > MAX_NODES - 1 or any(len(c) > MAX_DEPTH for c in choices):
-        raise ValueError(f"choices: at most depth {MAX_DEPTH} and {MAX_NODES - 1} paths")
+    one node; the set must be prefix-closed. Raises ValueError naming the first bad path (choices_problems)."""
+    problems = choices_problems(choices)
+    if problems:
+        where, message = problems[0]
+        raise ValueError(f"choices{'' if where is None else f'[{where}]'}: {message}")
     paths = [tuple(c) for c in choices]
-    if not paths:
-        raise ValueError("choices is empty: give paths such as [[0], [1], [0, 0]]")
-    every, seen = set(paths), set()
-    for c in paths:
-        if not c:
-            raise ValueError("choices: an empty path [] (the root is implied)")
-        if c in seen:
-            raise ValueError(f"choices: {list(c)} appears twice")
-        if len(c) > 1 and c[:-1] not in every:
-            raise ValueError(f"choices: {list(c)} has no parent {list(c[:-1])} (the paths must be prefix-closed)")
-        seen.add(c)
     depth = max(len(c) for c in paths)
     parents = {c[:-1] for c in paths if len(c) > 1}
     width = max([sum(len(p) == m for p in parents) for m in range(1, depth)] or [1])

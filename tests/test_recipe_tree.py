@@ -381,3 +381,18 @@ per_batch_bucket:
     path = write(tmp_path, text)
     assert_issue(load_err(path), path, line_no(text, "per_batch_bucket:"), f"{P}.per_batch_bucket",
                  "no batch bucket speculates", "give at least one bucket a chain or a tree")
+
+
+def test_a_manifest_is_held_to_the_recipe_s_shape_rules_in_the_same_words():
+    """manifest.tree_problems / choices_problems are the one statement of the shape rules: a recipe reports
+    each at its line, a manifest (or static_tree) refuses with the first, word for word."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"num_draft_tokens: must be in \[3, 7\], got 8: 2 steps of topk 2"):
+        SpecShape(depth=2, topk=2, width=2, num_nodes=8)
+    with pytest.raises(ValidationError, match=r"num_draft_tokens: must be in \[4, 11\], got 3: it counts the root"):
+        SpecShape(depth=3, topk=2, width=2, num_nodes=3)
+    with pytest.raises(ValueError, match=r"choices\[1\]: \[1, 0\] has no parent \[1\] \(the paths must be prefix-closed\)"):
+        static_tree([[0], [1, 0]])
+    with pytest.raises(ValueError, match=r"choices\[2\]: \[0\] appears twice \(first as choices\[0\]\)"):
+        static_tree([[0], [1], [0]])

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_NODES, NO_SPECULATION, SpecShape, chain,
-    dynamic_tree, max_tree_nodes, min_max_model_len, static_tree)
+                                     choices_problems, dynamic_tree, min_max_model_len, static_tree, tree_problems)
 
 from ..buckets import default_batch_buckets, default_prefill_buckets
 from ..errors import UserError
@@ -191,46 +191,15 @@ def _batch_buckets(merged: dict) -> tuple[list[int], str] | None:
 
 
 def _choices_shape(choices: Any, rel: tuple, add: Callable[..., None]) -> SpecShape | None:
-    """The static tree of ``choices`` (TensorRT-LLM eagle_choices), each bad path reported at its item."""
+    """The static tree of ``choices`` (TensorRT-LLM eagle_choices), each bad path reported at its item
+    (manifest.choices_problems: the rules the runtime holds a manifest to)."""
     if not isinstance(choices, list) or not all(
             isinstance(c, list) and all(is_int(r) and 0 <= r < MAX_NODES for r in c) for c in choices):
         return None  # the schema reports it
-    if not choices:
-        add(rel, "must not be empty: give paths of child ranks such as [[0], [1], [0, 0]] (the root is implied)")
-        return None
-    ok = True
-    given = {tuple(c) for c in choices}
-    first: dict[tuple, int] = {}
-    too_deep = False
-    for i, c in enumerate(choices):
-        t = tuple(c)
-        if not t:
-            add(rel + (i,), "an empty path [] (the root is implied); remove it")
-            ok = False
-        elif t in first:
-            add(rel + (i,), f"{c} appears twice (first as choices[{first[t]}]); each path names one node, remove one")
-            ok = False
-        else:
-            first[t] = i
-            if len(t) > 1 and t[:-1] not in given:
-                add(rel + (i,), f"{c} has no parent {list(t[:-1])} (the paths must be prefix-closed); "
-                                f"add {list(t[:-1])} or remove {c}")
-                ok = False
-            if len(t) > MAX_DEPTH and not too_deep:
-                add(rel + (i,), f"{c} is {len(t)} deep; a tree has at most {MAX_DEPTH} draft steps (the runtime's "
-                                "MAX_DEPTH); shorten the paths")
-                ok, too_deep = False, True
-    if len(choices) + 1 > MAX_NODES:
-        add(rel, f"{len(choices)} paths, at most {MAX_NODES - 1}: a verify pass holds at most {MAX_NODES} nodes "
-                 "(the runtime's MAX_NODES), the root included; remove paths")
-        ok = False
-    if not ok:
-        return None
-    try:
-        return static_tree(choices)
-    except ValueError as exc:  # whatever static_tree refuses that the checks above did not
-        add(rel, str(exc))
-        return None
+    problems = choices_problems(choices)
+    for where, message in problems:
+        add(rel if where is None else rel + (where,), message)
+    return None if problems else static_tree(choices)
 
 
 def _section_shape(sec: Any, rel: tuple, add: Callable[..., None], *, top: bool) -> SpecShape | None:
@@ -294,23 +263,10 @@ def _section_shape(sec: Any, rel: tuple, add: Callable[..., None], *, top: bool)
         n_ok = False
     if not (d_ok and k_ok and n_ok):
         return None
-    if d == 0:
-        add(drel, "must be >= 1 with a tree (a tree drafts at least one step); for no speculation at this batch "
-                  "bucket drop tree")
-        return None
-    most = max_tree_nodes(d, topk)
-    bounds = f"[{d + 1}, {min(most, MAX_NODES)}]"
-    if n < d + 1:
-        add(trel + ("num_draft_tokens",), f"must be in {bounds}, got {n}: it counts the root too, so {d} draft "
-                                          f"steps verify at least num_speculative_tokens + 1 = {d + 1} nodes; "
-                                          f"raise num_draft_tokens or lower num_speculative_tokens")
-        return None
-    if n > most:
-        add(trel + ("num_draft_tokens",), f"must be in {bounds}, got {n}: {d} steps of topk {topk} children can "
-                                          f"grow at most {most} nodes (the root included); lower num_draft_tokens "
-                                          "or raise topk or num_speculative_tokens")
-        return None
-    return dynamic_tree(d, topk, n)
+    problems = tree_problems(d, topk, n)  # (the rules the runtime holds a manifest to)
+    for key, message in problems:
+        add(drel if key == "num_speculative_tokens" else trel + (key,), message)
+    return None if problems else dynamic_tree(d, topk, n)
 
 
 def _given_depth(sec: Any, top: bool) -> int | None:
