@@ -14,8 +14,7 @@ from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_NODES, NO_SPECULAT
 
 from ..buckets import default_batch_buckets, default_prefill_buckets
 from ..errors import UserError
-from .schema import (PairRecipe, SourceSpec, Speculation, Serving, Parallel, Buckets, VerifySettings,
-    RawPair, RawSource, RawSpecSection, RawSpeculation, describe_value, get_path, is_int, pos_int,
+from .schema import (PairRecipe, SourceSpec, Speculation, Serving, Buckets, RawPair, RawSource, RawSpecSection, RawSpeculation, describe_value, get_path, is_int, pos_int,
     pydantic_message)
 
 # the backend_options each backend understands (checked here with the recipe line, and by get_backend)
@@ -373,19 +372,14 @@ def build_pair(raw: RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecip
         dtype=raw.dtype,
         speculation=_speculation(raw, batch),
         serving=Serving(max_num_seqs=raw.serving.max_num_seqs, max_model_len=mml, max_num_batched_tokens=mnbt),
-        parallel=Parallel(tp_degree=raw.parallel.tp_degree, padded_hidden_size=raw.parallel.padded_hidden_size),
+        parallel=raw.parallel,
         buckets=Buckets(
             prefill=list(raw.buckets.prefill) if raw.buckets.prefill is not None else default_prefill_buckets(mnbt),
             batch=batch,
         ),
         backend=raw.backend,
         backend_options=dict(raw.backend_options),
-        verify=VerifySettings(
-            min_acceptance_length=raw.verify.min_acceptance_length,
-            num_prompts=raw.verify.num_prompts,
-            max_tokens=raw.verify.max_tokens,
-            chat=raw.verify.chat,
-        ),
+        verify=raw.verify,
     )
 
 

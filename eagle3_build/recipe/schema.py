@@ -1,5 +1,7 @@
-"""The recipe's data: the frozen models a loaded recipe is made of, the `Raw*` schema its YAML is
-checked against (unknown keys refused), its errors, and how a pydantic error reads as a recipe line."""
+"""The recipe's data: the frozen models a loaded recipe is made of, the schema its YAML is checked against
+(unknown keys refused; a section whose YAML is already its final form — parallel, verify — is its own
+schema, the `Raw*` models only hold what the loader resolves: sources, speculation shapes, defaults drawn
+from other keys), its errors, and how a pydantic error reads as a recipe line."""
 from __future__ import annotations
 
 import types
@@ -80,9 +82,15 @@ class Serving(_Frozen):
     max_num_batched_tokens: int
 
 
-class Parallel(_Frozen):
-    tp_degree: int = 1
-    padded_hidden_size: int | None = None
+class _Section(_Frozen):
+    """A recipe section that is its own schema: YAML types as written (strict: `true` is not 1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Parallel(_Section):
+    tp_degree: int = Field(1, ge=1)
+    padded_hidden_size: int | None = Field(None, ge=1)
 
 
 class Buckets(_Frozen):
@@ -90,13 +98,13 @@ class Buckets(_Frozen):
     batch: list[int]
 
 
-class VerifySettings(_Frozen):
-    """The pair's ``verify`` section. These defaults are the only ones: the schema below and
-    ``eagle3-build verify`` (for a manifest whose recipe lacks a key) take them from here."""
+class VerifySettings(_Section):
+    """The pair's ``verify`` section. These defaults are the only ones: ``eagle3-build verify`` (for a
+    manifest whose recipe lacks a key) takes them from here too."""
 
-    min_acceptance_length: float | None = None  # the gate; None: no gate
-    num_prompts: int = 4  # 0: compile skips verify
-    max_tokens: int = 32  # per prompt
+    min_acceptance_length: float | None = Field(None, ge=1)  # the gate; None: no gate
+    num_prompts: int = Field(4, ge=0)  # 0: compile skips verify
+    max_tokens: int = Field(32, ge=1)  # per prompt
     chat: bool = False  # wrap each prompt as one user message in the target's chat template
 
 
@@ -165,21 +173,9 @@ class RawServing(Raw):
     max_num_batched_tokens: int | None = Field(None, ge=1)
 
 
-class RawParallel(Raw):
-    tp_degree: int = Field(1, ge=1)
-    padded_hidden_size: int | None = Field(None, ge=1)
-
-
 class RawBuckets(Raw):
     prefill: list[int] | None = None
     batch: list[int] | None = None
-
-
-class RawVerify(Raw):
-    min_acceptance_length: float | None = Field(VERIFY_DEFAULTS.min_acceptance_length, ge=1)
-    num_prompts: int = Field(VERIFY_DEFAULTS.num_prompts, ge=0)
-    max_tokens: int = Field(VERIFY_DEFAULTS.max_tokens, ge=1)
-    chat: bool = VERIFY_DEFAULTS.chat
 
 
 class RawPair(Raw):
@@ -189,11 +185,11 @@ class RawPair(Raw):
     dtype: Literal[MODEL_DTYPES] = "bfloat16"  # type: ignore[valid-type]
     speculation: RawSpeculation
     serving: RawServing
-    parallel: RawParallel = RawParallel()
+    parallel: Parallel = Parallel()
     buckets: RawBuckets = RawBuckets()
     backend: Literal[BACKENDS] = "export"  # type: ignore[valid-type]
     backend_options: dict[str, Any] = Field(default_factory=dict)
-    verify: RawVerify = RawVerify()
+    verify: VerifySettings = VerifySettings()
 
 
 # -------------------------------------------------------------------------------- helpers
