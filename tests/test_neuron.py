@@ -132,6 +132,11 @@ def test_host_checks_name_the_fix():
     with pytest.raises(NeuronHostError, match=r"compiled with neuronx-cc 2.21.1, this host has 2.22.0.*"
                                               r"install neuronx-cc==2.21.1"):
         check_host(manifest_stub(), environ={}, devices=one_device, versions=SAME | {"neuronx_cc": "2.22.0"})
+    with pytest.raises(NeuronHostError, match=r"install neuronx-cc==2.21.1 \(the bundle was built for Neuron SDK "
+                                              r"2.29: install that release's stack, e.g. "
+                                              r"`pip install 'eagle3-build\[neuron-2-29\]'`\)$"):
+        check_host(manifest_stub(neuron_sdk_release="2.29"), environ={}, devices=one_device,
+                   versions=SAME | {"neuronx_cc": "2.22.0"})
     with pytest.raises(NeuronHostError, match="set NEURON_LOGICAL_NC_CONFIG=2"):
         check_host(manifest_stub(), environ={"NEURON_LOGICAL_NC_CONFIG": "1"}, devices=one_device, versions=SAME)
     with pytest.raises(NeuronHostError, match="needs 8 logical NeuronCores.*has 4"):
@@ -192,8 +197,10 @@ def test_a_mixed_sdk_stack_is_refused_and_a_release_is_named():
     for release, row in RELEASES.items():
         assert release_of({pkg: row[pkg] for pkg in SDK_PACKAGES}) == release
     assert release_of({pkg: "9.9.9" for pkg in SDK_PACKAGES}) == "unknown"  # a newer SDK: recorded as such
-    mixed = {pkg: RELEASES["2.29"][pkg] for pkg in SDK_PACKAGES} | {"neuronx-distributed": RELEASES["2.27"]["neuronx-distributed"]}
-    with pytest.raises(UserError, match=r"mixes releases .*neuronx-distributed 0\.16\.25997 \(2\.27\).*eagle3-build\[neuron-2-29\]"):
+    mixed = {pkg: RELEASES["2.29"][pkg] for pkg in SDK_PACKAGES}
+    mixed["neuronx-distributed"] = RELEASES["2.27"]["neuronx-distributed"]
+    with pytest.raises(UserError, match=r"mixes releases .*neuronx-distributed 0\.16\.25997 \(2\.27\)"
+                                       r".*eagle3-build\[neuron-2-29\]"):
         release_of(mixed)
 
 

@@ -392,7 +392,8 @@ def test_a_manifest_is_held_to_the_recipe_s_shape_rules_in_the_same_words():
         SpecShape(depth=2, topk=2, width=2, num_nodes=8)
     with pytest.raises(ValidationError, match=r"num_draft_tokens: must be in \[4, 11\], got 3: it counts the root"):
         SpecShape(depth=3, topk=2, width=2, num_nodes=3)
-    with pytest.raises(ValueError, match=r"choices\[1\]: \[1, 0\] has no parent \[1\] \(the paths must be prefix-closed\)"):
+    with pytest.raises(ValueError, match=r"choices\[1\]: \[1, 0\] has no parent \[1\] \(the paths must be "
+                                         r"prefix-closed\)"):
         static_tree([[0], [1, 0]])
     with pytest.raises(ValueError, match=r"choices\[2\]: \[0\] appears twice \(first as choices\[0\]\)"):
         static_tree([[0], [1], [0]])

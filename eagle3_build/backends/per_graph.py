@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name, file_entry, torch_dtype
+from eagle3_runtime.manifest import (GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name, file_entry,
+                                     torch_dtype)
 from eagle3_runtime.packing import pack_weight
 
 from ..compile.cache import FETCH_TRIES, CompileCache, graph_key, trace_key, vanishing
-from ..compile.scheduler import CompileFailed, GraphJob, GraphResult, Scheduler, default_jobs, split_shard, static_estimate
+from ..compile.scheduler import (CompileFailed, GraphJob, GraphResult, Scheduler, default_jobs, split_shard,
+                                 static_estimate)
 from ..compile.tracing import tracing_process_group
 from ..graphs import GraphSpec, build_graph_module, step_inputs
 from ..pair import BuildModels, Report, build_models, contract_outputs, graph_plan, load_pair, model_entry

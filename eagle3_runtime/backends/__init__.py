@@ -8,7 +8,8 @@ from ..manifest import BundleError
 from .base import RuntimeBackend
 
 # backend name -> (module, class); a module is imported only when a bundle of its backend is read
-CLASSES = {"export": ("export", "ExportBackend"), "aoti": ("aoti", "AotiBackend"), "neuron": ("neuron", "NeuronBackend")}
+CLASSES = {"export": ("export", "ExportBackend"), "aoti": ("aoti", "AotiBackend"),
+           "neuron": ("neuron", "NeuronBackend")}
 SERVABLE = tuple(CLASSES)
 
 

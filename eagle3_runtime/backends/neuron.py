@@ -231,11 +231,16 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
                               f"{'is' if len(missing) == 1 else 'are'} not installed; install the Neuron SDK it was "
                               f"built with ({pins}) from the Neuron pip repository (pip.repos.neuron.amazonaws.com) "
                               "or rebuild the recipe with backend export")
+    release = tc.get("neuron_sdk_release")
+    stack = ""
+    if release not in (None, "unknown"):
+        stack = (f" (the bundle was built for Neuron SDK {release}: install that release's stack, e.g. "
+                 f"`pip install 'eagle3-build[neuron-{release.replace('.', '-')}]'`)")
     for key in needed:
         if tc.get(key) and versions[key] != tc[key]:
             raise NeuronHostError(f"bundle compiled with {PIP_NAMES[key]} {tc[key]}, this host has {versions[key]}; "
                                   f"rebuild it here (eagle3-build compile RECIPE --backend neuron) or install "
-                                  f"{PIP_NAMES[key]}=={tc[key]}")
+                                  f"{PIP_NAMES[key]}=={tc[key]}{stack}")
     target = tc.get("neuron_target", "trn2")
     lnc = int(tc.get("neuron_lnc", DEFAULT_LNC.get(target, 1)))
     host_lnc = int(environ.get("NEURON_LOGICAL_NC_CONFIG", DEFAULT_LNC.get(target, 1)))
