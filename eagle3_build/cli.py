@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from eagle3_runtime.errors import DEBUG_ENV, enable_debug, print_cause
+from eagle3_runtime.manifest import BACKENDS
 
 from .errors import UserError
 from .files import os_error_line
@@ -66,8 +66,6 @@ def _pairs(recipe: Path, pair: Optional[str]):
 
 
 def _with_backend(pairs, backend: Optional[str]):
-    from eagle3_runtime.manifest import BACKENDS
-
     if backend is None:
         return pairs
     if backend not in BACKENDS:
@@ -81,7 +79,7 @@ def compile_cmd(
     pair: Optional[str] = typer.Option(None, "--pair", help="build only this pair"),
     out: Optional[Path] = typer.Option(None, "--out", help="bundle directory (one pair only); default artifacts/<name>"),
     artifacts: Path = typer.Option(Path("artifacts"), "--artifacts", help="where bundles go by default"),
-    backend: Optional[str] = typer.Option(None, "--backend", help="override the recipe's backend (export | aoti | neuron)"),
+    backend: Optional[str] = typer.Option(None, "--backend", help=f"override the recipe's backend ({' | '.join(BACKENDS)})"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
                                        help="parallel compile jobs (default: from cores, free memory and the backend)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="EAGLE3_BUILD_CACHE",
@@ -354,6 +352,7 @@ def plan_cmd(
 
     From configs only: no weights read, nothing compiled (for neuron: every NEFF with its exact
     neuronx-cc command; no SDK needed)."""
+    from .backends.registry import backend_class
     from .compile.cache import CompileCache
     from .plan import plan_pair
 
@@ -389,19 +388,8 @@ def plan_cmd(
         out_console.print(line, highlight=False)
         for note in r["notes"]:
             out_console.print(f"note: {note}", highlight=False, soft_wrap=True)
-        for b in r.get("builders") or []:
-            shards = b["shard_files"]
-            out_console.print(f"ModelBuilder {b['model']} -> {b['artifact']} (TP {b['tp_degree']}, cache {b['cache']}); "
-                              f"per-rank checkpoints {shards[0]['path'].rsplit('/', 1)[0]}/tp{{0..{len(shards) - 1}}}_"
-                              f"sharded_checkpoint.safetensors, {shards[0]['bytes'] / 1e9:.3f} GB each", highlight=False)
-            for k in b["keys"]:
-                prio = "" if k["priority_bucket"] is None else f", priority bucket {k['priority_bucket']}"
-                out_console.print(f"  key {k['key']}: buckets {k['buckets']}{prio}; {shlex.join(k['compiler_args'])}",
-                                  highlight=False, soft_wrap=True)
-        if r["compiler_args"] is not None:
-            out_console.print("neuronx-cc commands (one NEFF per graph, compiled by ModelBuilder.trace):")
-            for g in r["graphs"]:
-                out_console.print(f"  {g['compiler_command']}", highlight=False, soft_wrap=True)
+        for line in backend_class(r["backend"]).describe_plan(r):  # (what the backend adds: its build units)
+            out_console.print(line, highlight=False, soft_wrap=True)
 
 
 @app.command("inspect")
@@ -443,9 +431,6 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                  for w, _, _ in packed) / 1e6
         out_console.print(f"packed at load: {len(packed)} weight copies ({', '.join(sorted({f for *_, f in packed}))}) "
                           f"for token rows {sorted({r for _, r, _ in packed})}, ~{mb:.0f} MB per rank", highlight=False)
-    flags = {g.role: g.backend["compiler_args"] for g in m.graphs if g.backend.get("compiler_args")}
-    for role, args in flags.items():  # neuron: neuronx-cc flags per role
-        out_console.print(f"neuronx-cc {role}: {shlex.join(args)}", highlight=False, soft_wrap=True)
     for name, model in m.models.items():
         size = sum(f.size for f in model.weight_files)
         out_console.print(f"weights {name}: {len(model.tensors)} tensors, {size / 1e6:.1f} MB, "

@@ -116,6 +116,11 @@ class Backend(abc.ABC):
         """Per-model build units, where the backend compiles models whole."""
         return None
 
+    @classmethod
+    def describe_plan(cls, plan: dict) -> list[str]:
+        """Lines `eagle3-build plan` prints under a pair's table (its build units, its compiler commands)."""
+        return []
+
     @abc.abstractmethod
     def version(self) -> str:
         """The compiler's version (enters every cache key)."""

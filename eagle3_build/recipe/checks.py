@@ -12,10 +12,10 @@ from pydantic import ValidationError
 from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_NODES, NO_SPECULATION, SpecShape, chain,
                                      choices_problems, dynamic_tree, min_max_model_len, static_tree, tree_problems)
 
-from ..buckets import default_batch_buckets, default_prefill_buckets
+from ..buckets import default_batch_buckets
 from ..errors import UserError
-from .schema import (PairRecipe, SourceSpec, Speculation, Serving, Buckets, RawPair, RawSource, RawSpecSection, RawSpeculation, describe_value, get_path, is_int, pos_int,
-    pydantic_message)
+from .schema import (PairRecipe, RawPair, RawSource, RawSpecSection, RawSpeculation, SourceSpec, Speculation,
+                     describe_value, get_path, is_int, pos_int, pydantic_message)
 
 # the backend_options each backend understands (checked here with the recipe line, and by get_backend)
 BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs", "pack_weights"),
@@ -362,21 +362,15 @@ def _speculation(raw: RawPair, batch: list[int]) -> Speculation:
 
 
 def build_pair(raw: RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:
-    mml = raw.serving.max_model_len
-    mnbt = raw.serving.max_num_batched_tokens if raw.serving.max_num_batched_tokens is not None else mml
-    batch = list(raw.buckets.batch) if raw.buckets.batch is not None else default_batch_buckets(raw.serving.max_num_seqs)
     return PairRecipe(
         name=raw.name,
         target=target,
         draft=draft,
         dtype=raw.dtype,
-        speculation=_speculation(raw, batch),
-        serving=Serving(max_num_seqs=raw.serving.max_num_seqs, max_model_len=mml, max_num_batched_tokens=mnbt),
+        speculation=_speculation(raw, raw.buckets.batch),
+        serving=raw.serving,
         parallel=raw.parallel,
-        buckets=Buckets(
-            prefill=list(raw.buckets.prefill) if raw.buckets.prefill is not None else default_prefill_buckets(mnbt),
-            batch=batch,
-        ),
+        buckets=raw.buckets,
         backend=raw.backend,
         backend_options=dict(raw.backend_options),
         verify=raw.verify,

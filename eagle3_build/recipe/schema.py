@@ -1,7 +1,8 @@
 """The recipe's data: the frozen models a loaded recipe is made of, the schema its YAML is checked against
-(unknown keys refused; a section whose YAML is already its final form — parallel, verify — is its own
-schema, the `Raw*` models only hold what the loader resolves: sources, speculation shapes, defaults drawn
-from other keys), its errors, and how a pydantic error reads as a recipe line."""
+(unknown keys refused; a section whose YAML is already its final form — serving, parallel, buckets, verify —
+is its own schema, defaults drawn from other keys filled in before validation; the `Raw*` models only hold
+the two sections the loader resolves into another form: a source string into a location, a speculation
+section into one SpecShape per batch bucket), its errors, and how a pydantic error reads as a recipe line."""
 from __future__ import annotations
 
 import types
@@ -9,10 +10,11 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3_runtime.manifest import BACKENDS, MAX_NODES, MODEL_DTYPES, SpecShape
 
+from ..buckets import default_batch_buckets, default_prefill_buckets
 from ..errors import UserError
 
 
@@ -76,16 +78,16 @@ class Speculation(_Frozen):
         return max(s.scratch for s in self.shapes.values())
 
 
-class Serving(_Frozen):
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int
-
-
 class _Section(_Frozen):
     """A recipe section that is its own schema: YAML types as written (strict: `true` is not 1)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Serving(_Section):
+    max_num_seqs: int = Field(1, ge=1)
+    max_model_len: int = Field(ge=1)
+    max_num_batched_tokens: int = Field(ge=1)  # default: max_model_len (RawPair fills it in)
 
 
 class Parallel(_Section):
@@ -93,7 +95,8 @@ class Parallel(_Section):
     padded_hidden_size: int | None = Field(None, ge=1)
 
 
-class Buckets(_Frozen):
+class Buckets(_Section):
+    # defaults (buckets.py, filled in by RawPair): doublings up to the serving limits
     prefill: list[int]
     batch: list[int]
 
@@ -167,29 +170,39 @@ class RawSpeculation(Raw):
     per_batch_bucket: dict[int, RawSpecSection] | None = None
 
 
-class RawServing(Raw):
-    max_num_seqs: int = Field(1, ge=1)
-    max_model_len: int = Field(ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-
-
-class RawBuckets(Raw):
-    prefill: list[int] | None = None
-    batch: list[int] | None = None
-
-
 class RawPair(Raw):
     name: str
     target: Any  # checked by resolve_source (str or mapping)
     draft: Any
     dtype: Literal[MODEL_DTYPES] = "bfloat16"  # type: ignore[valid-type]
     speculation: RawSpeculation
-    serving: RawServing
+    serving: Serving
     parallel: Parallel = Parallel()
-    buckets: RawBuckets = RawBuckets()
+    buckets: Buckets
     backend: Literal[BACKENDS] = "export"  # type: ignore[valid-type]
     backend_options: dict[str, Any] = Field(default_factory=dict)
     verify: VerifySettings = VerifySettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_serving(cls, data: Any) -> Any:
+        """serving.max_num_batched_tokens defaults to max_model_len; buckets.prefill to doublings up to it,
+        buckets.batch to doublings up to max_num_seqs. A default whose source key is invalid is [1] / 1: that
+        key's own error is the one reported."""
+        if not isinstance(data, dict) or not isinstance(data.get("serving"), dict):
+            return data
+        serving = dict(data["serving"])
+        if serving.get("max_num_batched_tokens") is None:
+            serving["max_num_batched_tokens"] = pos_int(serving.get("max_model_len")) or 1
+        buckets = data.get("buckets", {})
+        if not isinstance(buckets, dict):
+            return {**data, "serving": serving}
+        buckets = dict(buckets)
+        if buckets.get("prefill") is None:
+            buckets["prefill"] = default_prefill_buckets(pos_int(serving["max_num_batched_tokens"]) or 1)
+        if buckets.get("batch") is None:
+            buckets["batch"] = default_batch_buckets(pos_int(serving.get("max_num_seqs", 1)) or 1)
+        return {**data, "serving": serving, "buckets": buckets}
 
 
 # -------------------------------------------------------------------------------- helpers

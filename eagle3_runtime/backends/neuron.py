@@ -24,6 +24,7 @@ import hashlib
 import importlib
 import io
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -343,8 +344,10 @@ class NeuronBackend(RuntimeBackend):
         graphs = [g for g in m.graphs if g.model == model]
         moves = KV_MOVE + (f", {KV_COMPACT}" if any(COMPACT_FIELD in g.backend for g in graphs) else "")
         f = graphs[0].file
+        flags = {g.role: g.backend["compiler_args"] for g in graphs if g.backend.get("compiler_args")}
         return ([f"nxd model {f.path} ({f.size / 1e6:.1f} MB): keys {', '.join(sorted({g.role for g in graphs}))}, "
-                 f"{moves}"] + [f"{w.path}  {w.size / 1e6:.2f} MB" for w in m.models[model].weight_files])
+                 f"{moves}"] + [f"{w.path}  {w.size / 1e6:.2f} MB" for w in m.models[model].weight_files]
+                + [f"neuronx-cc {role}: {shlex.join(args)}" for role, args in flags.items()])
 
     @classmethod
     def join_world(cls, m: Manifest, environ=os.environ) -> TPContext | None:

@@ -126,3 +126,17 @@ class NeuronBackend(Backend):
     @classmethod
     def plan_models(cls, bm, backend, cache, cc_args) -> list[dict] | None:
         return bundle.plan_builders(bm, backend, cache, cc_args)
+
+    @classmethod
+    def describe_plan(cls, plan: dict) -> list[str]:
+        lines = []
+        for b in plan.get("builders") or []:
+            shards = b["shard_files"]
+            lines.append(f"ModelBuilder {b['model']} -> {b['artifact']} (TP {b['tp_degree']}, cache {b['cache']}); "
+                         f"per-rank checkpoints {shards[0]['path'].rsplit('/', 1)[0]}/tp{{0..{len(shards) - 1}}}_"
+                         f"sharded_checkpoint.safetensors, {shards[0]['bytes'] / 1e9:.3f} GB each")
+            for k in b["keys"]:
+                prio = "" if k["priority_bucket"] is None else f", priority bucket {k['priority_bucket']}"
+                lines.append(f"  key {k['key']}: buckets {k['buckets']}{prio}; {shlex.join(k['compiler_args'])}")
+        lines.append("neuronx-cc commands (one NEFF per graph, compiled by ModelBuilder.trace):")
+        return lines + [f"  {g['compiler_command']}" for g in plan["graphs"]]
