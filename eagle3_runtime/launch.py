@@ -1,13 +1,30 @@
 """The runtime's console entry points (eagle3-run, eagle3-serve). Each command's module is imported
 inside the guard, so that Ctrl-C during its start-up imports (torch alone takes a second) ends the
-same way as later: one line and exit 130, no traceback."""
+same way as later: one line and exit 130, no traceback. A Ctrl-C is also remembered (`interrupted()`): Python
+drops a KeyboardInterrupt raised where C code swallows errors (a dict lookup's __eq__, a finalizer), so a
+command checks before it starts serving, instead of serving after a Ctrl-C that was lost."""
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+
+_interrupts: list[int] = []
+
+
+def _on_sigint(signum, frame):
+    _interrupts.append(signum)
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C was pressed since the command started (even if its KeyboardInterrupt was lost)."""
+    return bool(_interrupts)
 
 
 def _main(module: str) -> int:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where the parent ignores it)
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         return importlib.import_module(module).main()
     except KeyboardInterrupt:

@@ -48,6 +48,7 @@ from .chat import Busy, TemplateRefused
 from .connection import HeadTimeoutH11
 from .engine import Engine, EngineDead, Event, QueueFull, Request, RequestError, describe_error
 from .errors import ArgumentParser, Eagle3Error
+from .launch import interrupted
 from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, ChatRequest, CommonRequest,
                        CompletionRequest, parse_json, read_body, short_repr, validate)
 from .sampling import SamplingParams
@@ -482,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout)
+        if interrupted():  # a Ctrl-C during start-up whose KeyboardInterrupt was lost
+            raise KeyboardInterrupt
     except Eagle3Error as e:
         print_cause(e)
         print(f"error: {e}", file=sys.stderr)

@@ -46,6 +46,37 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           timeout=timeout, env=env)
 
 
+def cli_inproc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A console entry point's main() in this process (what run_cli proves, without another interpreter start:
+    for error paths; each entry point keeps real-process tests). stdout/stderr captured, `env` set meanwhile."""
+    import contextlib
+    import io
+
+    from typer.testing import CliRunner
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update({"COLUMNS": "200", **(env or {})})
+    try:
+        if args[0] == "eagle3-build":
+            from eagle3_build.cli import app
+
+            r = CliRunner().invoke(app, [str(a) for a in args[1:]], prog_name="eagle3-build")
+            assert r.exception is None or isinstance(r.exception, SystemExit), r.exc_info
+            return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+        from eagle3_runtime.cli import main
+
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args[1:]])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 # `make test` runs `-n 2 --dist loadgroup`: each file is one unit of work for a worker (as --dist loadfile, so
 # its module fixtures stay in one process), except files that share a session bundle: one worker builds it once
 XDIST_GROUPS = {"test_server.py": "server-bundle", "test_hostile_server.py": "server-bundle",
@@ -69,7 +100,12 @@ def tiny(tmp_path_factory, _private_compile_cache):
     """The session's TinyFactory: every tiny pair and bundle, made once (see tests/fixtures/__init__.py)."""
     from fixtures import TinyFactory
 
-    f = TinyFactory(tmp_path_factory.mktemp("tiny"), session_cache=Path(os.environ["EAGLE3_BUILD_CACHE"]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one directory for every worker's factory (items made once)
+        root = tmp_path_factory.getbasetemp().parent / "tiny"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("tiny")
+    f = TinyFactory(root, session_cache=Path(os.environ["EAGLE3_BUILD_CACHE"]))
     _factories.append(f)
     return f
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run_cli
+from conftest import cli_inproc as run_cli  # error paths: main() in-process (real processes: test_spine, test_pipeline)
 from test_server import ServerProc
 
 from eagle3_runtime.bundle import Bundle, BundleError
