@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import cli_inproc, run_cli
 
 
 def compile_json(recipe: Path, out: Path, cache: Path, *extra: str, env: dict | None = None):
@@ -155,7 +155,7 @@ def test_failed_graph_gives_table_exit_1_no_bundle_and_is_retried(world, pair, t
     assert r2.returncode == 1
     text = " ".join(r2.stderr.split())
     assert "target_decode_b1" in text and "injected failure" in text and "no bundle written" in text
-    assert "failed last time" in run_cli("eagle3-build", "cache", "ls", env={"EAGLE3_BUILD_CACHE": str(cache)}).stdout
+    assert "failed last time" in cli_inproc("eagle3-build", "cache", "ls", env={"EAGLE3_BUILD_CACHE": str(cache)}).stdout
 
     # the failure is recorded, not cached: the next build compiles exactly that graph
     r, ev = compile_json(pair, art / "b", cache, "--jobs", jobs)
@@ -167,20 +167,20 @@ def test_failed_graph_gives_table_exit_1_no_bundle_and_is_retried(world, pair, t
 def test_cache_ls_prune_clear(world, pair, tmp_path):
     cache = warm_cache(world, tmp_path)
     env = {"EAGLE3_BUILD_CACHE": str(cache)}
-    r = run_cli("eagle3-build", "cache", "ls", "--json", env=env)
+    r = cli_inproc("eagle3-build", "cache", "ls", "--json", env=env)
     listing = json.loads(r.stdout)
     assert len(listing["entries"]) == 8 and all(e["bytes"] > 0 for e in listing["entries"])
-    assert run_cli("eagle3-build", "cache", "prune", env=env).returncode == 2  # needs a criterion
-    r = run_cli("eagle3-build", "cache", "prune", "--older-than", "1", env=env)
+    assert cli_inproc("eagle3-build", "cache", "prune", env=env).returncode == 2  # needs a criterion
+    r = cli_inproc("eagle3-build", "cache", "prune", "--older-than", "1", env=env)
     assert r.returncode == 0 and "removed 0" in r.stderr  # everything was used today
-    r = run_cli("eagle3-build", "cache", "prune", "--max-size", "0", env=env)
+    r = cli_inproc("eagle3-build", "cache", "prune", "--max-size", "0", env=env)
     assert r.returncode == 0 and "removed 8" in r.stderr
-    (plan,) = json.loads(run_cli("eagle3-build", "plan", str(pair), "--json", env=env).stdout)
+    (plan,) = json.loads(cli_inproc("eagle3-build", "plan", str(pair), "--json", env=env).stdout)
     assert {g["cache"] for g in plan["graphs"]} == {"miss"}
     shutil.copytree(world["cache"] / "graphs", cache / "graphs", dirs_exist_ok=True)
-    r = run_cli("eagle3-build", "cache", "clear", env=env)
+    r = cli_inproc("eagle3-build", "cache", "clear", env=env)
     assert r.returncode == 0 and "removed 8" in r.stderr
-    assert json.loads(run_cli("eagle3-build", "cache", "ls", "--json", env=env).stdout)["entries"] == []
+    assert json.loads(cli_inproc("eagle3-build", "cache", "ls", "--json", env=env).stdout)["entries"] == []
 
 
 def test_corrupt_cache_entry_is_recompiled(world, pair, tmp_path):
@@ -222,7 +222,7 @@ def test_ctrl_c_stops_cleanly(pair, tmp_path):
 def test_plan_reports_cache_status_estimates_and_weight_sizes(world, pair, tmp_path):
     from safetensors import safe_open
 
-    r = run_cli("eagle3-build", "plan", str(pair), "--json", env={"EAGLE3_BUILD_CACHE": str(tmp_path / "empty")})
+    r = cli_inproc("eagle3-build", "plan", str(pair), "--json", env={"EAGLE3_BUILD_CACHE": str(tmp_path / "empty")})
     assert r.returncode == 0, r.stderr
     (before,) = json.loads(r.stdout)
     assert len(before["graphs"]) == 8 and {g["cache"] for g in before["graphs"]} == {"miss"}
@@ -230,7 +230,7 @@ def test_plan_reports_cache_status_estimates_and_weight_sizes(world, pair, tmp_p
     verify = next(g for g in before["graphs"] if g["name"] == "target_verify_b1")
     assert verify["inputs"][1] == {"name": "tokens", "shape": [1, 4], "dtype": "int64"}
     env = {"EAGLE3_BUILD_CACHE": str(world["cache"])}
-    (after,) = json.loads(run_cli("eagle3-build", "plan", str(pair), "--json", env=env).stdout)
+    (after,) = json.loads(cli_inproc("eagle3-build", "plan", str(pair), "--json", env=env).stdout)
     assert {g["cache"] for g in after["graphs"]} == {"hit"} and after["estimate_s"] == 0
     m = json.loads((world["bundle"] / "manifest.json").read_text())
     assert [g["key"] for g in after["graphs"]] == [g["key"] for g in m["graphs"]]
@@ -239,5 +239,5 @@ def test_plan_reports_cache_status_estimates_and_weight_sizes(world, pair, tmp_p
         with safe_open(world["bundle"] / "weights" / model / "rank0.safetensors", "pt") as f:
             written = sum(f.get_tensor(k).nbytes for k in f.keys())
         assert after["weight_bytes_per_rank"][model] == written
-    text = run_cli("eagle3-build", "plan", str(pair), env=env).stdout
+    text = cli_inproc("eagle3-build", "plan", str(pair), env=env).stdout
     assert "8 graphs (0 to compile)" in " ".join(text.split())

@@ -2,13 +2,13 @@
 import json
 from pathlib import Path
 
-from conftest import run_cli
+from conftest import cli_inproc
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_plan_seed_llama():
-    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / "llama31-8b-eagle3.yaml"), "--json")
+    r = cli_inproc("eagle3-build", "plan", str(REPO / "recipes" / "llama31-8b-eagle3.yaml"), "--json")
     assert r.returncode == 0, r.stderr
     (plan,) = json.loads(r.stdout)
     assert plan["tp_degree"] == 8 and plan["num_speculative_tokens"] == 3
@@ -20,17 +20,17 @@ def test_plan_seed_llama():
 
 
 def test_plan_seed_gpt_oss_table():
-    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / "gpt-oss-120b-eagle3.yaml"))
+    r = cli_inproc("eagle3-build", "plan", str(REPO / "recipes" / "gpt-oss-120b-eagle3.yaml"))
     assert r.returncode == 0, r.stderr
     assert "target_prefill_s512" in r.stdout and "target_verify_b1" in r.stdout and "5 graphs" in r.stdout
 
 
 def test_inspect(tiny_bundles):
     _, bundle_dir = tiny_bundles.get("speculators", 3)
-    r = run_cli("eagle3-build", "inspect", str(bundle_dir))
+    r = cli_inproc("eagle3-build", "inspect", str(bundle_dir))
     assert r.returncode == 0, r.stderr
     assert "target_verify_b1" in r.stdout and "K 3" in r.stdout and "draft format speculators" in r.stdout
-    r = run_cli("eagle3-build", "inspect", str(bundle_dir.parent / "nope"))
+    r = cli_inproc("eagle3-build", "inspect", str(bundle_dir.parent / "nope"))
     assert r.returncode == 2 and "not a bundle" in " ".join(r.stderr.split())
 
 
@@ -42,7 +42,7 @@ def test_help_lists_every_command_in_one_line():
     import eagle3_build.cli as cli
 
     group = typer.main.get_command(cli.app)
-    shown = run_cli("eagle3-build", "--help").stdout
+    shown = cli_inproc("eagle3-build", "--help").stdout
     for name, cmd in group.commands.items():
         summary = cmd.help.split("\n\n")[0].strip()
         assert "\n" not in summary and len(summary) <= 110, (name, summary)
@@ -50,7 +50,7 @@ def test_help_lists_every_command_in_one_line():
         line = next((ln for ln in shown.splitlines() if ln.lstrip("│ ").startswith(f"{name} ")), "")
         assert summary in line, (name, line)
     cache = group.commands["cache"]
-    shown = run_cli("eagle3-build", "cache", "--help").stdout
+    shown = cli_inproc("eagle3-build", "cache", "--help").stdout
     for name, cmd in cache.commands.items():
         summary = cmd.help.split("\n\n")[0].strip()
         assert "\n" not in summary and summary in shown and name in cli.__doc__, name

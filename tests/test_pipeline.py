@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run_cli
+from conftest import cli_inproc, run_cli
 from test_cache import compile_json, statuses
 from test_server import ServerProc
 
@@ -97,9 +97,9 @@ def test_push_serve_by_reference_and_refuse_tampering(world, tmp_path, monkeypat
 def test_check_verdicts_and_exit_codes(world, tmp_path):
     import shutil
 
-    ok = run_cli("eagle3-build", "check", str(world["single"]), "--files", "--json")
+    ok = cli_inproc("eagle3-build", "check", str(world["single"]), "--files", "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"]
-    tp = run_cli("eagle3-build", "check", str(world["single"]), "--ranks", "2")
+    tp = cli_inproc("eagle3-build", "check", str(world["single"]), "--ranks", "2")
     assert tp.returncode == 5 and "tp_degree 1" in tp.stderr
 
     from eagle3_runtime.manifest import digest_of
@@ -121,10 +121,10 @@ def test_check_verdicts_and_exit_codes(world, tmp_path):
     neuron = variant("neuron", backend="neuron", toolchain={"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1",
                                                              "libneuronxla": "2.2.1", "neuron_target": "trn2",
                                                              "neuron_lnc": "2"})
-    r = run_cli("eagle3-build", "check", str(neuron))
+    r = cli_inproc("eagle3-build", "check", str(neuron))
     assert r.returncode == 4 and "not installed" in r.stderr
     schema = variant("schema", schema_version=99)
-    r = run_cli("eagle3-build", "check", str(schema), "--json")
+    r = cli_inproc("eagle3-build", "check", str(schema), "--json")
     assert r.returncode == 3 and "schema version 99" in json.loads(r.stdout)["checks"][0]["detail"]
-    r = run_cli("eagle3-build", "check", str(tmp_path))
+    r = cli_inproc("eagle3-build", "check", str(tmp_path))
     assert r.returncode == 2 and "not a bundle" in r.stderr
