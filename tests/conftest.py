@@ -11,6 +11,8 @@ import torch
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+# the width the CLIs' rich consoles take (read when they are created): tables in full, as run_cli's processes get
+os.environ.setdefault("COLUMNS", "200")
 
 
 @pytest.fixture(scope="session", autouse=True)
