@@ -143,8 +143,8 @@ class Generation:
     text: str
     finish_reason: str
     stats: SpecStats
-    seconds: float
-    target_passes: int
+    seconds: float  # from the call to this request's last token
+    target_passes: int  # target passes run meanwhile (generate_many: shared with the requests batched with it)
     ttft: float | None = None  # s from the call to the first token (the prefill's), same clock as `seconds`
 
 
@@ -303,27 +303,45 @@ class Engine:
             self.waiting.clear()
             self._cv.notify_all()
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int, speculative: bool = True,
                  sampling: SamplingParams | None = None, stop: tuple[str, ...] = ()) -> Generation:
         """Run one request to completion on the calling thread (no background loop)."""
-        done: list[Event] = []
-        req = Request(list(prompt_ids), max_tokens, sampling or SamplingParams(temperature=0.0), tuple(stop),
-                      speculative, on_event=lambda e: done.append(e) if e.finish_reason else None)
+        return self.generate_many([prompt_ids], max_tokens, speculative, [sampling], stop)[0]
+
+    @torch.inference_mode()
+    def generate_many(self, prompts: list[list[int]], max_tokens: int, speculative: bool = True,
+                      sampling: list[SamplingParams | None] | None = None, stop: tuple[str, ...] = ()
+                      ) -> list[Generation]:
+        """Run requests to completion on the calling thread, batched as the server batches them (up to
+        max_num_seqs rows at a time, the rest queued); one Generation per prompt, in order. `sampling`: one
+        SamplingParams per prompt (None: greedy)."""
+        sampling = list(sampling) if sampling is not None else [None] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling parameters")
+        reqs = [Request(list(p), max_tokens, s or SamplingParams(temperature=0.0), tuple(stop), speculative)
+                for p, s in zip(prompts, sampling)]
+        for req in reqs:  # refused before any runs
+            self.check_request(len(req.prompt_ids), req.max_tokens)
+            req.sampling.validate()
         t0, passes0 = time.perf_counter(), self.target_passes
-        self.submit(req)
-        holder: list[Sequence] = []
-        self._on_finish = holder.append
+        done: dict[str, tuple[Sequence, float, int]] = {}  # request id -> (sequence, finish time, target passes)
+        pending = collections.deque(reqs)
+        self._on_finish = lambda seq: done.__setitem__(seq.req.id, (seq, time.perf_counter(), self.target_passes))
         try:
-            while not done:
+            while pending or self.has_work():
+                while pending and len(self.waiting) + len(self.active) < self.max_num_seqs:
+                    self.submit(pending.popleft())
                 self.step()
         finally:
             self._on_finish = None
-        seq = holder[0]
-        ttft = seq.first_token_time - t0 if seq.first_token_time is not None else None
-        text = seq.text_stream.text if seq.text_stream is not None else ""
-        return Generation(list(prompt_ids), seq.generated, text, seq.finish_reason, seq.stats,
-                          time.perf_counter() - t0, self.target_passes - passes0, ttft)
+        out = []
+        for req in reqs:
+            seq, t1, passes = done[req.id]
+            ttft = seq.first_token_time - t0 if seq.first_token_time is not None else None
+            text = seq.text_stream.text if seq.text_stream is not None else ""
+            out.append(Generation(list(req.prompt_ids), seq.generated, text, seq.finish_reason, seq.stats,
+                                  t1 - t0, passes - passes0, ttft))
+        return out
 
     _on_finish: Callable[[Sequence], None] | None = None
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import cli_inproc, run_cli
 
+GRAPHS = 6  # the tiny pair's bundle: target prefill (one bucket), decode, verify; draft prefill, catch-up, step
+
 
 def compile_json(recipe: Path, out: Path, cache: Path, *extra: str, env: dict | None = None):
     r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out), "--json", "--no-verify", *extra,
@@ -56,9 +58,9 @@ def test_warm_rebuild_compiles_nothing_and_clean_builds_are_identical(world, pai
     cache_a, cache_b = warm_cache(world, tmp_path), tmp_path / "cache-b"
     shutil.copytree(world["bundle"], tmp_path / "b1")
     first = statuses(world["events"])
-    assert len(first) == 8 and set(first.values()) == {"compiled"}
+    assert len(first) == GRAPHS and set(first.values()) == {"compiled"}
     (built,) = [e for e in world["events"] if e["event"] == "built"]
-    assert built["compiled"] == 8 and built["cached"] == 0
+    assert built["compiled"] == GRAPHS and built["cached"] == 0
 
     # warm: same recipe, same cache -> every graph is a hit, nothing compiles
     r, ev = compile_json(pair, tmp_path / "b2", cache_a)
@@ -71,7 +73,7 @@ def test_warm_rebuild_compiles_nothing_and_clean_builds_are_identical(world, pai
     assert r.returncode == 0, r.stderr
     m = [json.loads((tmp_path / b / "manifest.json").read_text()) for b in ("b1", "b2", "b3")]
     assert m[0]["digest"] == m[1]["digest"] == m[2]["digest"] != ""
-    assert m[0]["created_at"] and m[0]["build"]["compiled"] == 8 and m[1]["build"]["cached"] == 8
+    assert m[0]["created_at"] and m[0]["build"]["compiled"] == GRAPHS and m[1]["build"]["cached"] == GRAPHS
     for sub in ("weights", "graphs", "tokenizer", "configs"):
         assert tree_bytes(tmp_path / "b1", sub) == tree_bytes(tmp_path / "b3", sub), sub
     keys = [{g["name"]: g["key"] for g in mm["graphs"]} for mm in m]
@@ -95,7 +97,7 @@ def test_changing_k_recompiles_only_graphs_whose_shapes_changed(world, tiny, tmp
     assert r.returncode == 0, r.stderr
     st = statuses(ev)
     assert {g for g, s in st.items() if s == "compiled"} == {"target_verify_b1", "draft_catchup_b1"}
-    assert sum(s == "cached" for s in st.values()) == 5  # (K 1 has no draft_step)
+    assert sum(s == "cached" for s in st.values()) == GRAPHS - 3  # (K 1 has no draft_step)
     assert "draft_step_b1" not in st
 
 
@@ -141,7 +143,7 @@ def test_failed_graph_gives_table_exit_1_no_bundle_and_is_retried(world, pair, t
     assert st["target_decode_b1"] == "failed"
     # one failure does not stop the others
     assert {g for g, s in st.items() if s == "compiled"} == missing - {"target_decode_b1"}
-    assert sum(s == "cached" for s in st.values()) == 5
+    assert sum(s == "cached" for s in st.values()) == GRAPHS - 3
     if jobs == "2":  # a worker that dies is retried once (the injected crash is transient)
         assert any(e["event"] == "graph" and e["status"] == "retrying" and e["graph"] == "draft_step_b1" for e in ev)
     (failure,) = [e for e in ev if e["event"] == "graph_failed"]
@@ -169,17 +171,17 @@ def test_cache_ls_prune_clear(world, pair, tmp_path):
     env = {"EAGLE3_BUILD_CACHE": str(cache)}
     r = cli_inproc("eagle3-build", "cache", "ls", "--json", env=env)
     listing = json.loads(r.stdout)
-    assert len(listing["entries"]) == 8 and all(e["bytes"] > 0 for e in listing["entries"])
+    assert len(listing["entries"]) == GRAPHS and all(e["bytes"] > 0 for e in listing["entries"])
     assert cli_inproc("eagle3-build", "cache", "prune", env=env).returncode == 2  # needs a criterion
     r = cli_inproc("eagle3-build", "cache", "prune", "--older-than", "1", env=env)
     assert r.returncode == 0 and "removed 0" in r.stderr  # everything was used today
     r = cli_inproc("eagle3-build", "cache", "prune", "--max-size", "0", env=env)
-    assert r.returncode == 0 and "removed 8" in r.stderr
+    assert r.returncode == 0 and f"removed {GRAPHS}" in r.stderr
     (plan,) = json.loads(cli_inproc("eagle3-build", "plan", str(pair), "--json", env=env).stdout)
     assert {g["cache"] for g in plan["graphs"]} == {"miss"}
     shutil.copytree(world["cache"] / "graphs", cache / "graphs", dirs_exist_ok=True)
     r = cli_inproc("eagle3-build", "cache", "clear", env=env)
-    assert r.returncode == 0 and "removed 8" in r.stderr
+    assert r.returncode == 0 and f"removed {GRAPHS}" in r.stderr
     assert json.loads(cli_inproc("eagle3-build", "cache", "ls", "--json", env=env).stdout)["entries"] == []
 
 
@@ -225,7 +227,7 @@ def test_plan_reports_cache_status_estimates_and_weight_sizes(world, pair, tmp_p
     r = cli_inproc("eagle3-build", "plan", str(pair), "--json", env={"EAGLE3_BUILD_CACHE": str(tmp_path / "empty")})
     assert r.returncode == 0, r.stderr
     (before,) = json.loads(r.stdout)
-    assert len(before["graphs"]) == 8 and {g["cache"] for g in before["graphs"]} == {"miss"}
+    assert len(before["graphs"]) == GRAPHS and {g["cache"] for g in before["graphs"]} == {"miss"}
     assert all(g["estimate_s"] > 0 and g["key"] for g in before["graphs"])
     verify = next(g for g in before["graphs"] if g["name"] == "target_verify_b1")
     assert verify["inputs"][1] == {"name": "tokens", "shape": [1, 4], "dtype": "int64"}
@@ -240,4 +242,4 @@ def test_plan_reports_cache_status_estimates_and_weight_sizes(world, pair, tmp_p
             written = sum(f.get_tensor(k).nbytes for k in f.keys())
         assert after["weight_bytes_per_rank"][model] == written
     text = cli_inproc("eagle3-build", "plan", str(pair), env=env).stdout
-    assert "8 graphs (0 to compile)" in " ".join(text.split())
+    assert f"{GRAPHS} graphs (0 to compile)" in " ".join(text.split())

@@ -66,8 +66,8 @@ PAIR_CASES = {
                 ["has no lm_head.weight"]),
     "d2t": (lambda d: edit_tensors(d / "model.safetensors", lambda sd: (sd.pop("d2t"), sd.pop("t2d"))),
             ["draft vocab 256 < target vocab 512", "no d2t"]),
-    "aux": (lambda d: edit_config(d / "config.json", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 8])),
-            ["aux layer ids [2, 4, 8] out of range", "8-layer target"]),
+    "aux": (lambda d: edit_config(d / "config.json", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 3, 4])),
+            ["aux layer ids [2, 3, 4] out of range", "4-layer target"]),
     "t2d": (lambda d: edit_tensors(d / "model.safetensors",
                                    lambda sd: sd.update({"t2d": torch.roll(sd["t2d"], 1)})),
             ["d2t and t2d disagree"]),
@@ -156,7 +156,7 @@ def test_failed_graph_leaves_nothing(pair, tmp_path, monkeypatch):
     p = load_recipe(pair / "recipe.yaml").pairs[0]
     with pytest.raises(CompileFailed) as e:  # one graph failed: the others still compiled, no bundle
         build_bundle(p, art / "b", cache=CompileCache(tmp_path / "cache"))
-    assert [f.job.name for f in e.value.failures] == ["target_prefill_s128"]
+    assert [f.job.name for f in e.value.failures] == ["target_verify_b1"]
     assert "compiler crashed" in e.value.failures[0].error
     assert list(art.iterdir()) == []
 

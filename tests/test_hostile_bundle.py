@@ -252,9 +252,12 @@ def test_symlink_leaving_the_bundle_is_refused(good, tmp_path):
 
 
 def huge_context(raw: dict) -> None:
-    """max_model_len ~2^24, with KV caches of that length (consistent: only host memory refuses it)."""
+    """max_model_len ~2^24 and 64 sequence slots, with KV caches that size (consistent: only host memory refuses
+    them: 4 layers x 2 x 64 x 2 heads x 2^24 x 16 x 4 bytes = 512 GiB)."""
     raw["max_model_len"] = (1 << 24) - 128
+    raw["max_num_seqs"] = 64
     for s in raw["state"]:
+        s["shape"][2] = 64
         s["shape"][4] = kv_cache_length(raw["max_model_len"], 3)
 
 

@@ -16,7 +16,9 @@ vocabulary makes the exact target distribution computable with transformers:
   proposal is the token the target finds unlikely: drafts are almost always rejected and the emitted
   tokens come from the residual distribution.
 
-With max_tokens=3, x1 comes from the prefill sample and x2/x3 from the speculative rounds. Their
+The trials run batched (8 sequence slots, `Engine.generate_many`: one prefill per step while the other rows
+decode and speculate together), so batched speculative sampling is checked too: each request keeps its own
+generator. With max_tokens=3, x1 comes from the prefill sample and x2/x3 from the speculative rounds. Their
 empirical marginals (plus a "stopped" category after EOS) are compared with the exact marginals by total
 variation distance, against a threshold from a Monte-Carlo null (TV of the same number of direct
 multinomial draws from the exact distribution; 200 repetitions, 99.9th percentile). Negative controls
@@ -49,7 +51,8 @@ _LM_STD = 0.25  # -> max next-token probability ~0.3-0.4
 _EOS_BIAS, _BAD_BIAS = -4.0, -5.0  # lm_head column 0 for EOS / BAD: P(EOS) ~2%/step, P(BAD) ~0.5%
 _DRAFT_STD, _DRAFT_FC_NOISE = 0.02, 0.01
 
-N_TRIALS = 1200  # per draft; ~15-18 ms of engine time per trial on an idle slow core
+N_TRIALS = 1200  # per draft
+SEQS = 8  # sequence slots: trials run batched, as a server batches concurrent requests
 N_CONTROL = {"always_accept": 150, "no_residual": 400}
 NULL_REPS, QUANTILE = 200, 0.999
 
@@ -188,8 +191,8 @@ RECIPE_PAIR = """\
     draft: ./{name}
     dtype: float32
     speculation: {{num_speculative_tokens: {k}}}
-    serving: {{max_num_seqs: 1, max_model_len: 64}}
-    buckets: {{prefill: [16], batch: [1]}}
+    serving: {{max_num_seqs: {seqs}, max_model_len: 64}}
+    buckets: {{prefill: [16], batch: [{seqs}]}}
     backend: export
 """
 
@@ -265,7 +268,7 @@ def pair(tmp_path_factory, tiny):
     model = _write_target(root / "target", tsd, _tokenizer())
     for name in ("good", "bad"):
         _write_draft(root / name, _draft_state(g, tsd, bad=name == "bad"), root / "target")
-    (root / "recipe.yaml").write_text("pairs:\n" + "".join(RECIPE_PAIR.format(name=n, k=K) for n in ("good", "bad")))
+    (root / "recipe.yaml").write_text("pairs:\n" + "".join(RECIPE_PAIR.format(name=n, k=K, seqs=SEQS) for n in ("good", "bad")))
     recipe = load_recipe(root / "recipe.yaml")
 
     exact = exact_marginals(model)
@@ -286,21 +289,22 @@ def pair(tmp_path_factory, tiny):
 
 
 def run_trials(engine, n: int, seed0: int = 0):
-    """n generations at temperature 1 with speculation; returns (token lists, summed SpecStats)."""
+    """n generations at temperature 1 with speculation, batched as the server batches them (generate_many:
+    up to max_num_seqs rows decode together, each request with its own seed); returns (token lists, summed
+    SpecStats)."""
     from eagle3_runtime.engine import SpecStats
     from eagle3_runtime.sampling import SamplingParams
 
+    gens = engine.generate_many([PROMPT] * n, MAX_TOKENS, speculative=True,
+                                sampling=[SamplingParams(temperature=1.0, seed=seed0 + i) for i in range(n)])
     outs, total = [], SpecStats(K)
-    for i in range(n):
-        gen = engine.generate(PROMPT, MAX_TOKENS, speculative=True,
-                              sampling=SamplingParams(temperature=1.0, seed=seed0 + i))
+    for gen in gens:
         toks = gen.token_ids
         assert 1 <= len(toks) <= MAX_TOKENS and all(0 <= t < V for t in toks)
         if len(toks) < MAX_TOKENS:  # only EOS ends a sequence early
             assert toks[-1] == EOS and gen.finish_reason == "stop", (toks, gen.finish_reason)
         assert EOS not in toks[:-1]
-        s = gen.stats
-        total.add(s)
+        total.add(gen.stats)
         outs.append(toks)
     return outs, total
 

@@ -99,10 +99,10 @@ def test_manifest_contents(tiny_bundles):
 
     _, bundle_dir = tiny_bundles.get("specforge", 3)
     m = read_manifest(bundle_dir)
-    assert m.aux_layer_ids == [1, 4, 6]  # SpecForge ids (0, 3, 5) are output-of-layer: +1
+    assert m.aux_layer_ids == [1, 2, 3]  # SpecForge ids (0, 1, 2) are output-of-layer: +1
     assert m.draft_format == "specforge"
     roles = {(g.role, g.bucket) for g in m.graphs}
-    assert roles == {(r, s) for r in ("target_prefill", "draft_prefill") for s in (64, 128)} | {
+    assert roles == {(r, s) for r in ("target_prefill", "draft_prefill") for s in (64,)} | {
         (r, 1) for r in ("target_verify", "target_decode", "draft_catchup", "draft_step")}
     verify = m.graph("target_verify", 1)
     assert [(i.name, i.shape) for i in verify.inputs] == [("rank", [1]), ("tokens", [1, 4]), ("positions", [1, 4]),
@@ -159,7 +159,7 @@ def test_refuses_prompt_longer_than_largest_bucket(tiny_bundles):
     _, bundle_dir = tiny_bundles.get("speculators", 3)
     r = run_cli("eagle3-run", str(bundle_dir), "--prompt", "word " * 200, "--max-tokens", "2")
     assert r.returncode == 2
-    assert "largest prefill bucket of this bundle is 128" in r.stderr and "Traceback" not in r.stderr
+    assert "largest prefill bucket of this bundle is 64" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_speculation_cutoff_near_max_model_len(tiny_bundles, hf_cache):
@@ -171,7 +171,7 @@ def test_speculation_cutoff_near_max_model_len(tiny_bundles, hf_cache):
     pair, bundle_dir = tiny_bundles.get("speculators", 3)
     bundle = Bundle(bundle_dir)
     engine, tok = Engine(bundle), BundleTokenizer(bundle_dir)
-    ids = tok.encode("word " * 40)[:120]
+    ids = tok.encode("word " * 40)[:60]
     n = engine.max_len - len(ids)  # generate right up to max_model_len
     out = engine.generate(ids, n)
     assert out.token_ids == hf_greedy(pair / "target", ids, n)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from eagle3_build.testing import tiny
 from eagle3_build.testing.tiny import DRAFT_FORMATS, make_tiny_pair
 
-H, V, VD, NL = 64, 512, 256, 8
+H, V, VD, NL = 64, 512, 256, tiny.N_LAYERS
 # an "awkward" hidden size, as GPT-OSS (hidden 2880 padded to 3072, q width 4096 != hidden): q width
 # stays 4 x 16 = 64. 90 itself cannot be loaded by transformers (hidden % num_attention_heads != 0).
 H_ODD = 92
@@ -201,14 +201,14 @@ def test_draft_config(pairs, fmt):
         else:
             assert cfg["target_hidden_size"] == H
             assert cfg["eagle_config"] == {
-                "eagle_aux_hidden_state_layer_ids": [0, 3, 5],
+                "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
                 "use_aux_hidden_state": True,
             }
     for key, val in dict(hidden_size=H, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=V, rms_norm_eps=1e-5,
                          bos_token_id=0, eos_token_id=1).items():
         assert layer[key] == val, key
-    assert _aux_ids(cfg, fmt) == tiny.EFFECTIVE_AUX_IDS[fmt]
+    assert _aux_ids(cfg, fmt) == tiny.effective_aux_ids(fmt)
 
 
 @pytest.mark.parametrize("fmt", DRAFT_FORMATS)
@@ -237,7 +237,7 @@ def test_recipe(pairs, fmt):
     assert p["dtype"] == "float32"
     assert p["speculation"] == {"num_speculative_tokens": 3}
     assert p["serving"] == {"max_num_seqs": 1, "max_model_len": 256}
-    assert p["buckets"] == {"prefill": [64, 128], "batch": [1]}
+    assert p["buckets"] == {"prefill": [64], "batch": [1]}
     assert p["backend"] == "export"
 
 

@@ -21,7 +21,7 @@ from eagle3_build.testing import tiny
 from eagle3_build.testing.gguf import write_gguf
 from eagle3_build.testing.tiny import make_tiny_pair
 
-H, V, NL, NH, NKV, HD = 64, 512, 8, 4, 2, 16
+H, V, NL, NH, NKV, HD = 64, 512, tiny.N_LAYERS, 4, 2, 16
 PROMPTS = [
     "The weather this morning",
     "Speculative decoding lets a small",

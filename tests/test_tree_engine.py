@@ -21,7 +21,7 @@ STATIC = {"speculation": {"tree": {"choices": [[0], [1], [0, 0], [1, 0], [0, 0, 
 MIXED = {"serving": {"max_num_seqs": 2}, "buckets": {"batch": [1, 2]},
          "speculation": {"num_speculative_tokens": 3, "tree": {"topk": 2, "num_draft_tokens": 7},
                          "per_batch_bucket": {2: {"num_speculative_tokens": 2}}}}
-PROMPTS = [[0, 333, 223, 83, 87, 75, 493], [0, 39, 90, 82, 78, 383, 314, 259], [0, 70, 71, 72, 275, 75, 68],
+PROMPTS = [[0, 477, 158, 341, 32, 193, 35], [0, 39, 90, 82, 78, 383, 314, 259], [0, 70, 71, 72, 275, 75, 68],
            [0, 5, 17, 301, 44, 402], [0, 260, 261, 262]]
 
 

@@ -69,7 +69,8 @@ class AotiBackend(PerGraphBackend):
 
     def key_fields(self, role: str) -> dict:
         fields = {"name": NAME, "version": self.version(), "target": self.target(),
-                  "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY}
+                  "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY,
+                  "collectives": "no locality reorder"}  # (compile_exported: graphs built before it raced)
         return {**fields, "pack_weights": True} if self.pack_weights else fields  # (unpacked: the old keys)
 
     def pack_format(self, dtype: str) -> str | None:
@@ -101,6 +102,11 @@ class AotiBackend(PerGraphBackend):
             patch = {"compile_threads": 1, "aot_inductor.metadata": {METADATA_KEY: signature(ep).to_json()}}
             if self.vec_isa_ok:
                 patch["cpp.vec_isa_ok"] = True
+            if any(str(n.target).startswith("_c10d_functional.") for n in ep.graph.nodes):
+                # torch 2.13's post-grad reorder_for_locality can move a kernel that reads a collective's
+                # result above the collective's wait_tensor (seen: a TP-2 verify graph's final norm read its
+                # all-reduce in flight under gloo: logits off by ~10); keep the traced order for TP graphs
+                patch["reorder_for_locality"] = False
             with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
                     packed_input_lowering():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(out),

@@ -3,7 +3,7 @@ docs/tiny-pairs.md).
 
 ``make_tiny_pair(out_dir)`` writes, in a few seconds and fully deterministically given ``seed``:
 
-* ``out_dir/target/``  a transformers ``LlamaForCausalLM`` (8 layers, hidden 64 or ``hidden_size``, vocab
+* ``out_dir/target/``  a transformers ``LlamaForCausalLM`` (4 layers or ``num_layers``, hidden 64 or ``hidden_size``, vocab
   512, llama3 rope scaling, untied lm_head) + a byte-level BPE tokenizer with Llama-3 style specials;
 * ``out_dir/draft/``   an EAGLE3 draft in one of the three on-disk formats: ``"eagle"`` (SafeAILab,
   ``pytorch_model.bin``), ``"speculators"`` (RedHatAI), ``"specforge"`` (SGLang);
@@ -60,7 +60,8 @@ __all__ = [
     "ARCHS",
     "DRAFT_FORMATS",
     "GPT_OSS_TARGET_FORMATS",
-    "EFFECTIVE_AUX_IDS",
+    "effective_aux_ids",
+    "specforge_aux_ids",
     "TARGET_FORMATS",
     "TINY_CORPUS",
     "SPECIAL_TOKENS",
@@ -81,7 +82,8 @@ TARGET_FORMATS = ("hf", "gguf")  # Llama; the GPT-OSS twin: GPT_OSS_TARGET_FORMA
 VOCAB = 512
 HIDDEN = 64
 INTERMEDIATE = 128
-N_LAYERS = 8
+N_LAYERS = 4  # the default pair; the sensitive pair (verify's fault tests) has SENSITIVE_LAYERS
+SENSITIVE_LAYERS = 8
 N_HEADS = 4
 N_KV_HEADS = 2
 HEAD_DIM = 16
@@ -100,21 +102,29 @@ TARGET_PLAIN_ROPE = {"rope_type": "default", "rope_theta": TARGET_ROPE["rope_the
 DRAFT_VOCAB = 256
 DRAFT_ROPE_THETA = 10000.0
 
-# aux layer ids (vLLM semantics: input of layer k) used by the eagle/speculators drafts: the default
-DEFAULT_AUX_IDS = (2, N_LAYERS // 2, N_LAYERS - 3)
-# SpecForge/SGLang semantics (output of layer k); effective vLLM ids are these + 1 = (1, 4, 6)
-SPECFORGE_AUX_IDS = (0, 3, 5)
-# effective aux ids (input of target layer k) per draft format
-EFFECTIVE_AUX_IDS = {
-    "eagle": DEFAULT_AUX_IDS,
-    "speculators": DEFAULT_AUX_IDS,
-    "specforge": tuple(k + 1 for k in SPECFORGE_AUX_IDS),
-}
+
+
+def specforge_aux_ids(num_layers: int = N_LAYERS) -> tuple[int, int, int]:
+    """The aux ids a SpecForge draft's config states (SGLang semantics: output of layer k)."""
+    return (0, num_layers // 2 - 1, num_layers - 2)
+
+
+def effective_aux_ids(draft_format: str, num_layers: int = N_LAYERS) -> tuple[int, int, int]:
+    """The aux ids (vLLM semantics: input of target layer k) a tiny draft of this format reads: eagle and
+    speculators drafts state none, so EAGLE's default (2, N // 2, N - 3) applies (at 4 layers (2, 2, 1):
+    layer 2's input twice); SpecForge's stated ids + 1."""
+    from ..checkpoints.load import default_aux_layer_ids
+
+    if draft_format == "specforge":
+        return tuple(k + 1 for k in specforge_aux_ids(num_layers))
+    return default_aux_layer_ids(num_layers)
+
 
 # --- weight scales (tuned: f-rate ~0.71-0.87, draft first-step hit ~0.52-0.75 over seeds 0-9) ---
 _EMBED_STD = 1.0
 _LAYER_STD = 0.08  # target q/k/v/gate/up
-_OUT_STD = 0.18  # target o_proj/down_proj: sets how much context perturbs the residual stream
+_OUT_STD = 0.18  # target o_proj/down_proj at 8 layers: sets how much context perturbs the residual stream
+_OUT_DEPTH = 8  # ... scaled by sqrt(_OUT_DEPTH / layers): the same total perturbation at any depth
 _CLOSED_DRAFT_VOCAB = True  # perm maps the draft vocab onto itself (see module docstring)
 _TARGET_DRAFT_VOCAB_GAIN = 1.2  # target lm_head rows of draft-vocab tokens are scaled by this
 _DRAFT_FC_NOISE = 0.01
@@ -222,7 +232,7 @@ def _randn(g: torch.Generator, *shape: int, std: float) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float32) * std
 
 
-def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
+def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN, num_layers: int = N_LAYERS) -> dict:
     """The hidden structure of the pair for ``seed``: ``perm`` (f), ``ids`` (draft vocab), all weights.
 
     ``hidden_size``: the residual width (target and draft), a multiple of ``N_HEADS`` (transformers
@@ -243,7 +253,7 @@ def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
     # weights that read the residual stream (fan-in = hidden) scale as 1/sqrt(hidden), so that the
     # structure (how much context perturbs the stream) does not depend on hidden_size; 1.0 at HIDDEN
     fan = math.sqrt(HIDDEN / hidden)
-    std, ostd = _LAYER_STD * fan, _OUT_STD
+    std, ostd = _LAYER_STD * fan, _OUT_STD * math.sqrt(_OUT_DEPTH / int(num_layers))
 
     def layer(g: torch.Generator) -> dict[str, torch.Tensor]:
         return {"self_attn.q_proj.weight": _randn(g, q_out, hidden, std=std),
@@ -254,7 +264,7 @@ def tiny_structure(seed: int = 0, *, hidden_size: int = HIDDEN) -> dict:
                 "mlp.up_proj.weight": _randn(g, INTERMEDIATE, hidden, std=std),
                 "mlp.down_proj.weight": _randn(g, hidden, INTERMEDIATE, std=ostd)}
 
-    t, embed, (ids, in_d, perm) = _target_frame(g, hidden, N_LAYERS, layer)
+    t, embed, (ids, in_d, perm) = _target_frame(g, hidden, int(num_layers), layer)
     d = _structured_draft(g, embed, perm, ids, in_d, hidden)
     return {"perm": perm, "ids": ids, "target": t, "draft": d}
 
@@ -348,14 +358,15 @@ def _with_both_rope_forms(cfg: dict, rope: dict) -> dict:
     return {**cfg, **Rope.config_fields(rope)}
 
 
-def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True, hidden_size: int = HIDDEN):
+def _target_config(bos_id: int, eos_id: int, *, rope_scaling: bool = True, hidden_size: int = HIDDEN,
+                   num_layers: int = N_LAYERS):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=int(hidden_size),
         intermediate_size=INTERMEDIATE,
-        num_hidden_layers=N_LAYERS,
+        num_hidden_layers=int(num_layers),
         num_attention_heads=N_HEADS,
         num_key_value_heads=N_KV_HEADS,
         head_dim=HEAD_DIM,
@@ -379,12 +390,14 @@ def _write_target(
     *,
     rope_scaling: bool = True,
     hidden_size: int = HIDDEN,
+    num_layers: int = N_LAYERS,
 ) -> None:
     from transformers import GenerationConfig, LlamaForCausalLM
 
     bos_id = tokenizer.convert_tokens_to_ids(BOS)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    cfg = _target_config(bos_id, eos_id, rope_scaling=rope_scaling, hidden_size=hidden_size)
+    cfg = _target_config(bos_id, eos_id, rope_scaling=rope_scaling, hidden_size=hidden_size,
+                         num_layers=num_layers)
     # Building the module runs transformers' random init: keep it off the global RNG.
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(cfg)
@@ -437,6 +450,7 @@ def _write_draft(
     num_speculative_tokens: int,
     target_dir: Path,
     hidden_size: int = HIDDEN,
+    num_layers: int = N_LAYERS,
     extra_config: dict | None = None,
 ) -> None:
     prefix = "layers.0." if fmt == "speculators" else "midlayer."
@@ -462,7 +476,7 @@ def _write_draft(
             draft_vocab_size=DRAFT_VOCAB,
             target_hidden_size=int(hidden_size),
             eagle_config={
-                "eagle_aux_hidden_state_layer_ids": list(SPECFORGE_AUX_IDS),
+                "eagle_aux_hidden_state_layer_ids": list(specforge_aux_ids(num_layers)),
                 "use_aux_hidden_state": True,
             },
             torch_dtype="float32",
@@ -517,7 +531,7 @@ def _write_recipe(
     tp_degree: int = 1,
     padded_hidden_size: int | None = None,
     name: str | None = None,
-    prefill_buckets: tuple[int, ...] = (64, 128),
+    prefill_buckets: tuple[int, ...] = (64,),
     header: str = "tiny random Llama target + EAGLE3 draft",
 ) -> None:
     if fmt == "eagle":
@@ -773,6 +787,7 @@ def make_tiny_pair(
     tp_degree: int = 1,
     arch: str = "llama",
     sensitive_draft: bool = False,
+    num_layers: int | None = None,
 ) -> Path:
     """Writes out_dir/target/, out_dir/draft/, out_dir/recipe.yaml; returns the recipe path.
 
@@ -807,6 +822,12 @@ def make_tiny_pair(
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if sensitive_draft and arch != "llama":
         raise ValueError("sensitive_draft is implemented for the Llama pair only")
+    if num_layers is None:
+        num_layers = SENSITIVE_LAYERS if sensitive_draft else N_LAYERS
+    if arch != "llama" and num_layers != N_LAYERS:
+        raise ValueError("num_layers is the Llama pair's (the GPT-OSS twin has GPT_OSS_LAYERS)")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 4:
+        raise ValueError(f"num_layers must be an int >= 4 (EAGLE3 reads three layers), got {num_layers!r}")
     if draft_format not in DRAFT_FORMATS:
         raise ValueError(f"draft_format must be one of {DRAFT_FORMATS}, got {draft_format!r}")
     if dtype not in MODEL_DTYPES:
@@ -837,16 +858,16 @@ def make_tiny_pair(
     target_dir.mkdir(parents=True, exist_ok=True)
     draft_dir.mkdir(parents=True, exist_ok=True)
 
-    s = tiny_structure(seed, hidden_size=hidden_size)
+    s = tiny_structure(seed, hidden_size=hidden_size, num_layers=num_layers)
     if sensitive_draft:
-        sensitize_structure(s, EFFECTIVE_AUX_IDS[draft_format], seed=seed,
+        sensitize_structure(s, effective_aux_ids(draft_format, num_layers), seed=seed,
                             scale_fc=draft_format == "speculators")
     tokenizer = make_tiny_tokenizer()
     bos_id = tokenizer.convert_tokens_to_ids(BOS)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
 
     _write_target(target_dir, s["target"], tokenizer, rope_scaling=bool(rope_scaling),
-                  hidden_size=hidden_size)
+                  hidden_size=hidden_size, num_layers=num_layers)
     target_ref = "./target"
     if target_format == "gguf":
         write_gguf(target_dir, out / "target.gguf", dtype="float32")
@@ -860,6 +881,7 @@ def make_tiny_pair(
         num_speculative_tokens=int(num_speculative_tokens),
         target_dir=target_dir,
         hidden_size=hidden_size,
+        num_layers=num_layers,
     )
     recipe = out / "recipe.yaml"
     _write_recipe(recipe, draft_format, dtype=dtype, k=int(num_speculative_tokens),
@@ -913,7 +935,8 @@ def sensitize_structure(s: dict, aux_ids: tuple[int, int, int], *, seed: int = 0
         t[name][:, marks] = 0
     for name in ("embed_tokens.weight", "lm_head.weight"):
         d[name][:, marks] = 0
-    for li in range(N_LAYERS):
+    n_layers = 1 + max(int(k.split(".")[2]) for k in t if k.startswith("model.layers."))
+    for li in range(n_layers):
         p = f"model.layers.{li}."
         for w in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             t[p + w + ".weight"][:, marks] = 0
