@@ -14,19 +14,22 @@ $(BIN)/.installed: requirements-dev.txt pyproject.toml eagle3_runtime/pyproject.
 
 setup: $(BIN)/.installed
 
-# the default test run (what CI runs): the suite, then the neuron path on the SDK's transformers 4.57 (the
-# SPMD stand-in tests run there only: the stack Neuron users have).
-# Two venvs are installed in the background while the suite runs: the runtime alone, for
-# tests/test_runtime_install.py (python tests/test_runtime_install.py DIR), and the neuron stack's
+# the default test run (what CI runs): the suite, and beside it the neuron path on the SDK's transformers 4.57
+# (the SPMD stand-in tests run there only: the stack Neuron users have) in its own venv, as a third process
+# that fills the cores the two suite workers leave idle; its log is printed after the suite's.
+# The runtime alone is installed in the background too, for tests/test_runtime_install.py
+# (python tests/test_runtime_install.py DIR).
 RT_VENV := .venv-runtime-only
 
 test: setup
 	@rm -rf $(RT_VENV); $(BIN)/python tests/test_runtime_install.py $(RT_VENV) & bg=$$!; \
-	$(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 & ns=$$!; \
+	{ $(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 && \
+	  $(NS_BIN)/python -m pytest -q -p no:cacheprovider $(NEURON_STACK_TESTS) >> $(NS_VENV).log 2>&1; } & ns=$$!; \
 	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40 \
 		--ignore tests/test_neuron_spmd.py; rc=$$?; \
-	wait $$bg; wait $$ns || { cat $(NS_VENV).log; exit 1; }; exit $$rc
-	$(MAKE) test-neuron-stack
+	wait $$bg; wait $$ns; nsrc=$$?; \
+	echo "== make test-neuron-stack (its venv's install and tests, run beside the suite) =="; cat $(NS_VENV).log; \
+	[ $$rc -eq 0 ] && exit $$nsrc; exit $$rc
 
 # everything, slow tests included
 test-all: setup
@@ -60,9 +63,16 @@ NS_BIN := $(NS_VENV)/bin
 NEURON_STACK_TESTS := tests/test_neuron_spmd.py tests/test_neuron_stack.py \
 	--deselect "tests/test_neuron_spmd.py::test_spmd_bundle_decodes_like_transformers[2-gpt-oss]"
 
-$(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml eagle3_runtime/pyproject.toml
+# torch is the dev venv's own (the same pinned wheel, linked through a .pth: no second 800 MB install);
+# pip sees torch==2.13.0 installed and adds only what differs
+$(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml eagle3_runtime/pyproject.toml $(BIN)/.installed
 	$(PY) -m venv $(NS_VENV)
 	$(NS_BIN)/pip install -q --upgrade pip
+	@dev=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	site=$$($(NS_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	rm -rf $(NS_VENV)/dev-torch && mkdir $(NS_VENV)/dev-torch && \
+	ln -s $$dev/torch $$dev/torchgen $$dev/functorch $$dev/torch-*.dist-info $(NS_VENV)/dev-torch/ && \
+	echo "$(CURDIR)/$(NS_VENV)/dev-torch" > $$site/dev-torch.pth
 	$(NS_BIN)/pip install -q -r requirements-neuron-stack.txt
 	$(NS_BIN)/pip install -q --no-deps -e ./eagle3_runtime -e .
 	touch $@

@@ -15,9 +15,11 @@ from conftest import cli_inproc, run_cli
 GRAPHS = 6  # the tiny pair's bundle: target prefill (one bucket), decode, verify; draft prefill, catch-up, step
 
 
-def compile_json(recipe: Path, out: Path, cache: Path, *extra: str, env: dict | None = None):
-    r = run_cli("eagle3-build", "compile", str(recipe), "--out", str(out), "--json", "--no-verify", *extra,
-                env={"EAGLE3_BUILD_CACHE": str(cache), **(env or {})})
+def compile_json(recipe: Path, out: Path, cache: Path, *extra: str, env: dict | None = None, inproc: bool = False):
+    """`compile --json` in a fresh process (or, `inproc`, its main() in this one); -> (result, events)."""
+    run = cli_inproc if inproc else run_cli
+    r = run("eagle3-build", "compile", str(recipe), "--out", str(out), "--json", "--no-verify", *extra,
+            env={"EAGLE3_BUILD_CACHE": str(cache), **(env or {})})
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     return r, events
 
@@ -151,16 +153,16 @@ def test_failed_graph_gives_table_exit_1_no_bundle_and_is_retried(world, pair, t
     assert Path(failure["log"]).is_file() and "injected failure" in Path(failure["log"]).read_text()
     assert not art.exists() or not any(art.iterdir())  # no bundle, no temporary directory
 
-    # the human-readable table (same failure, without --json)
-    r2 = run_cli("eagle3-build", "compile", str(pair), "--out", str(art / "b"), "--jobs", jobs,
-                 env={"EAGLE3_BUILD_CACHE": str(cache), "EAGLE3_BUILD_INJECT_FAILURE": "target_decode_b1"})
+    # the human-readable table (same failure, without --json; main() in-process, one job: the table is the same)
+    r2 = cli_inproc("eagle3-build", "compile", str(pair), "--out", str(art / "b"), "--jobs", "1",
+                    env={"EAGLE3_BUILD_CACHE": str(cache), "EAGLE3_BUILD_INJECT_FAILURE": "target_decode_b1"})
     assert r2.returncode == 1
     text = " ".join(r2.stderr.split())
     assert "target_decode_b1" in text and "injected failure" in text and "no bundle written" in text
     assert "failed last time" in cli_inproc("eagle3-build", "cache", "ls", env={"EAGLE3_BUILD_CACHE": str(cache)}).stdout
 
     # the failure is recorded, not cached: the next build compiles exactly that graph
-    r, ev = compile_json(pair, art / "b", cache, "--jobs", jobs)
+    r, ev = compile_json(pair, art / "b", cache, "--jobs", "1", inproc=True)
     assert r.returncode == 0, r.stderr
     assert statuses(ev) == {**{g: "cached" for g in st}, "target_decode_b1": "compiled"}
     assert (art / "b" / "manifest.json").is_file()

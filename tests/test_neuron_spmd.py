@@ -28,11 +28,11 @@ PROMPTS = [[0, 333, 223, 83, 87, 75, 493, 279], [0, 45, 12, 99, 7], [0, 250, 251
 MAX_TOKENS = [20, 6, 13]  # different lengths: rows finish early and the last row moves down
 
 
-def neuron_pair(tmp_path, tp, arch="llama", options=None):
+def neuron_pair(tmp_path, tp, arch="llama", options=None, **pair_kw):
     from eagle3_build.recipe import load_recipe
     from eagle3_build.testing.tiny import make_tiny_pair
 
-    pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp, arch=arch)).pairs[0]
+    pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp, arch=arch, **pair_kw)).pairs[0]
     shape = pair.speculation.shapes[1]
     return pair.model_copy(update={
         "backend": "neuron", "backend_options": options or {},
@@ -303,11 +303,12 @@ def test_a_failed_model_build_is_one_compile_failure(standin_sdk, tmp_path, monk
 # ------------------------------------------------------------------ token trees: the target's kv_compact key
 
 def tree_pair(tmp_path, tp=1):
-    """The tiny llama pair with a dynamic tree (depth 3, topk 2, 7 nodes) in every batch bucket."""
+    """The tiny llama pair with a dynamic tree (depth 3, topk 2, 7 nodes) in every batch bucket: 8 layers, whose
+    noisier target takes the draft's second choice now and then (the 4-layer one, on these prompts, never)."""
     from eagle3_build.recipe import Speculation
     from eagle3_runtime.manifest import dynamic_tree
 
-    pair = neuron_pair(tmp_path, tp)
+    pair = neuron_pair(tmp_path, tp, num_layers=8)
     return pair.model_copy(update={"speculation": Speculation(
         num_speculative_tokens=3, shapes={b: dynamic_tree(3, 2, 7) for b in pair.buckets.batch})})
 
