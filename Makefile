@@ -17,12 +17,13 @@ setup: $(BIN)/.installed
 # the default test run (what CI runs): the suite, and beside it the neuron path on the SDK's transformers 4.57
 # (the SPMD stand-in tests run there only: the stack Neuron users have) in its own venv, as a third process
 # that fills the cores the two suite workers leave idle; its log is printed after the suite's.
-# The runtime alone is installed in the background too, for tests/test_runtime_install.py
-# (python tests/test_runtime_install.py DIR).
+# The runtime alone is installed in the background too, for tests/test_runtime_install.py, by the bare
+# interpreter from the start (python3 tests/runtime_venv.py DIR): beside .venv's own install, which takes one core.
 RT_VENV := .venv-runtime-only
 
-test: setup
-	@rm -rf $(RT_VENV); $(BIN)/python tests/test_runtime_install.py $(RT_VENV) & bg=$$!; \
+test:
+	@rm -rf $(RT_VENV); $(PY) tests/runtime_venv.py $(RT_VENV) & bg=$$!; \
+	$(MAKE) --no-print-directory setup || { wait $$bg; exit 1; }; \
 	{ $(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 && \
 	  $(NS_BIN)/python -m pytest -q -p no:cacheprovider $(NEURON_STACK_TESTS) >> $(NS_VENV).log 2>&1; } & ns=$$!; \
 	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40 \

@@ -57,7 +57,7 @@ def cli_inproc(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     from typer.testing import CliRunner
 
     out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in (env or {})}
+    saved = dict(os.environ)  # restored after: `env`, and whatever the command sets (--debug sets EAGLE3_DEBUG)
     os.environ.update({"COLUMNS": "200", **(env or {})})
     try:
         if args[0] == "eagle3-build":
@@ -75,8 +75,8 @@ def cli_inproc(*args: str, env: dict | None = None) -> subprocess.CompletedProce
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # `make test` runs `-n 2 --dist loadgroup`: each file is one unit of work for a worker (as --dist loadfile, so

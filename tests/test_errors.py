@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import cli_inproc, run_cli
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -203,6 +203,6 @@ def test_errors_keep_their_cause_and_debug_shows_it(tmp_path):
         plain = run_cli(*cmd)
         assert plain.returncode == 2 and "not valid JSON" in plain.stderr and "Traceback" not in plain.stderr
         debug_argv = [cmd[0], "--debug", *cmd[1:]] if cmd[0] == "eagle3-build" else [*cmd, "--debug"]
-        for r in (run_cli(*debug_argv), run_cli(*cmd, env={"EAGLE3_DEBUG": "1"})):
+        for r in (cli_inproc(*debug_argv), cli_inproc(*cmd, env={"EAGLE3_DEBUG": "1"})):  # (main() in-process)
             assert r.returncode == 2 and "Traceback" in r.stderr and "JSONDecodeError" in r.stderr, r.stderr
             assert "error:" in r.stderr and "not valid JSON" in r.stderr

@@ -3,8 +3,8 @@ nothing else (the constraints pin torch to the local CPU wheel; unpinned, pip wo
 build), then serves a bundle the builder built in the dev venv, through its own eagle3-run and eagle3-serve.
 
 The venv is fresh every session (CI starts from a fresh clone, so a cache would save it nothing). `make test`
-builds it in the background while the suite runs (`python tests/test_runtime_install.py DIR`, then
-EAGLE3_RUNTIME_VENV=DIR); run on its own, the fixture builds it. Made cheap without cutting corners:
+builds it in the background, with the bare interpreter while .venv is still being installed
+(`python3 tests/runtime_venv.py DIR`, then EAGLE3_RUNTIME_VENV=DIR); run on its own, the fixture builds it. Made cheap without cutting corners:
 `venv --without-pip` with this interpreter's pip pointed at it (`pip --python`), and `--no-compile`
 (the venv's processes byte-compile what they import instead of all of torch up front).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,38 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from runtime_venv import _env, make_runtime_venv, pip
 
-REPO = Path(__file__).resolve().parents[1]
 VENV_ENV = "EAGLE3_RUNTIME_VENV"  # a venv `make test` is building (DIR/.installed or DIR/.failed when done)
 BUILDER_DISTS = {"eagle3-build", "transformers", "gguf", "accelerate", "typer", "rich"}
-
-
-def _env(**extra: str) -> dict:
-    drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
-
-
-def pip(venv: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """This interpreter's pip acting on `venv` (which has no pip of its own)."""
-    cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
-
-
-def make_runtime_venv(venv: Path) -> float:
-    """A fresh venv with the runtime distribution alone installed; returns the seconds it took."""
-    t0 = time.monotonic()
-    shutil.rmtree(venv, ignore_errors=True)
-    venv.mkdir(parents=True)
-    # build from a copy: pip builds in-tree, and with package-dir "." setuptools would leave
-    # eagle3_runtime/build/ in the checkout
-    src = venv / "src" / "eagle3_runtime"
-    shutil.copytree(REPO / "eagle3_runtime", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    pip(venv, "install", "-q", "--no-compile", "-c", str(REPO / "requirements-dev.txt"), str(src))
-    return time.monotonic() - t0
 
 
 def _wait_for(venv: Path, timeout: float = 900) -> None:
@@ -159,15 +130,3 @@ def test_runtime_only_venv_serves_a_built_bundle(runtime_venv, built_bundle):
             serve.wait(30)
         except subprocess.TimeoutExpired:
             serve.kill()
-
-
-if __name__ == "__main__":  # make test: build the venv while the suite runs
-    target = Path(sys.argv[1]).resolve()
-    try:
-        seconds = make_runtime_venv(target)
-    except Exception as e:
-        target.mkdir(parents=True, exist_ok=True)
-        (target / ".failed").write_text(str(e))
-        sys.exit(1)
-    (target / ".installed").write_text(f"{seconds:.1f}\n")
-    sys.exit(0)

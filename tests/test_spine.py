@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import cli_inproc, run_cli
 
 PROMPTS = [
     "The quick brown fox",
@@ -130,7 +130,7 @@ def test_refuses_flipped_byte(tiny_bundles, tmp_path):
     data = bytearray(w.read_bytes())
     data[len(data) // 2] ^= 0x01
     w.write_bytes(bytes(data))
-    r = run_cli("eagle3-run", str(b), "--prompt", "hi", "--max-tokens", "2")
+    r = cli_inproc("eagle3-run", str(b), "--prompt", "hi", "--max-tokens", "2")
     assert r.returncode == 2
     assert "weights/target/rank0.safetensors is corrupt" in r.stderr and "Traceback" not in r.stderr
 
@@ -139,7 +139,7 @@ def test_refuses_missing_graph(tiny_bundles, tmp_path):
     _, bundle_dir = tiny_bundles.get("speculators", 3)
     b = _copy(bundle_dir, tmp_path)
     (b / "graphs" / "target_verify_b1.pt2").unlink()
-    r = run_cli("eagle3-run", str(b), "--prompt", "hi", "--max-tokens", "2")
+    r = cli_inproc("eagle3-run", str(b), "--prompt", "hi", "--max-tokens", "2")
     assert r.returncode == 2
     assert "graphs/target_verify_b1.pt2 is missing" in r.stderr and "Traceback" not in r.stderr
 
@@ -150,14 +150,14 @@ def test_refuses_unknown_schema(tiny_bundles, tmp_path):
     m = json.loads((b / "manifest.json").read_text())
     m["schema_version"] = 999
     (b / "manifest.json").write_text(json.dumps(m))
-    r = run_cli("eagle3-run", str(b), "--prompt", "hi", "--max-tokens", "2")
+    r = cli_inproc("eagle3-run", str(b), "--prompt", "hi", "--max-tokens", "2")
     assert r.returncode == 2
     assert "schema version 999" in r.stderr and "rebuild" in r.stderr
 
 
 def test_refuses_prompt_longer_than_largest_bucket(tiny_bundles):
     _, bundle_dir = tiny_bundles.get("speculators", 3)
-    r = run_cli("eagle3-run", str(bundle_dir), "--prompt", "word " * 200, "--max-tokens", "2")
+    r = cli_inproc("eagle3-run", str(bundle_dir), "--prompt", "word " * 200, "--max-tokens", "2")
     assert r.returncode == 2
     assert "largest prefill bucket of this bundle is 64" in r.stderr and "Traceback" not in r.stderr
 

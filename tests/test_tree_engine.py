@@ -154,6 +154,24 @@ CHAIN_THEN_NONE = {"serving": {"max_num_seqs": 2}, "buckets": {"batch": [1, 2]},
 TEXT_PROMPTS = ["The quick brown fox", "Explain why the sky is blue.", "def fibonacci(n):", "Once upon a time"]
 
 
+def test_generate_many_batches_like_one_at_a_time(tiny):
+    """Engine.generate_many (offline batching, two rows at a time, the rest queued): every request's tokens
+    == its own generate(); rows move between the chain at batch 1 and plain decoding at batch 2."""
+    bundle = Bundle(tiny.bundle(recipe=CHAIN_THEN_NONE).path)
+    lengths = [24, 7, 16, 30, 11]  # rows finish at different steps
+    alone = [Engine(bundle).generate(p, n).token_ids for p, n in zip(PROMPTS, lengths)]
+    eng = Engine(bundle)
+    passes = eng.target_passes
+    gens = [eng.generate_many([p], n)[0] for p, n in zip(PROMPTS[:1], lengths[:1])]  # (warm, one request)
+    assert gens[0].token_ids == alone[0] and gens[0].target_passes == eng.target_passes - passes
+    many = eng.generate_many(PROMPTS, max(lengths))
+    assert [g.token_ids[:n] for g, n in zip(many, lengths)] == alone
+    assert [g.prompt_ids for g in many] == PROMPTS
+    assert all(g.finish_reason in ("length", "stop") and g.seconds > 0 for g in many)
+    with pytest.raises(ValueError, match="sampling parameters"):
+        eng.generate_many(PROMPTS, 4, sampling=[None])
+
+
 def test_chain_at_batch_1_none_at_batch_2_serves_4_concurrent_clients(tiny):
     """A real eagle3-serve on loopback: each client's tokens alone == with the others in flight (rows
     move between the chain at batch 1 and plain decoding at batch 2, and the draft catches up on the

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import cli_inproc, run_cli
 from safetensors.torch import load_file, save_file
 
 GATE = 1.15  # intact: 1.34 on the first 8 built-in prompts (deterministic); faults: 1.00-1.05
@@ -307,7 +307,7 @@ def test_cli_verify(pairs, monkeypatch):
 
 
 def test_cli_bad_input(tmp_path):
-    r = run_cli("eagle3-build", "verify", str(tmp_path / "nope"))
+    r = cli_inproc("eagle3-build", "verify", str(tmp_path / "nope"))
     assert r.returncode == 2 and "no such bundle directory" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -386,10 +386,10 @@ def test_compile_runs_verify_unless_told_not_to(pairs, tmp_path):
     text = " ".join(ok.stderr.split())
     assert "acceptance" in text.lower() and "verify failed" not in text
     bad = pairs.write("fc_zero")
-    r = run_cli("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--json")
+    r = cli_inproc("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--json")
     assert r.returncode == 1
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert {"event": "verify", "pair": "tiny-fc_zero", "bundle": str(tmp_path / "bad"), "passed": False} in events
     assert "verify failed" in r.stderr and "fc" in r.stderr
-    r = run_cli("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--no-verify")
+    r = cli_inproc("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--no-verify")
     assert r.returncode == 0

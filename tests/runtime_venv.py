@@ -1,0 +1,53 @@
+"""The runtime-only venv of tests/test_runtime_install.py: a fresh venv with `pip install -c requirements-dev.txt
+./eagle3_runtime` and nothing else. No pytest here: `make test` runs `python3 tests/runtime_venv.py DIR` with the
+bare interpreter while .venv is still being installed (DIR/.installed or DIR/.failed when done)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict:
+    drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def pip(venv: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """This interpreter's pip acting on `venv` (which has no pip of its own)."""
+    cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def make_runtime_venv(venv: Path) -> float:
+    """A fresh venv with the runtime distribution alone installed; returns the seconds it took."""
+    t0 = time.monotonic()
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.mkdir(parents=True)
+    # build from a copy: pip builds in-tree, and with package-dir "." setuptools would leave
+    # eagle3_runtime/build/ in the checkout
+    src = venv / "src" / "eagle3_runtime"
+    shutil.copytree(REPO / "eagle3_runtime", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    pip(venv, "install", "-q", "--no-compile", "-c", str(REPO / "requirements-dev.txt"), str(src))
+    return time.monotonic() - t0
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]).resolve()
+    try:
+        seconds = make_runtime_venv(target)
+    except Exception as e:
+        target.mkdir(parents=True, exist_ok=True)
+        (target / ".failed").write_text(str(e))
+        sys.exit(1)
+    (target / ".installed").write_text(f"{seconds:.1f}\n")
+    sys.exit(0)
