@@ -241,11 +241,12 @@ def test_queue_full_503(bundle):
 
 
 def test_tp2_server_under_torchrun(built_bundle, server):
-    """A TP-2 bundle served by torchrun (rank 0 serves HTTP, rank 1 follows): concurrent requests,
-    one finishing early so the other's KV row moves (a broadcast row copy), match TP 1 solo greedy."""
-    from conftest import SERVER_RECIPE
+    """A TP-2 bundle served by torchrun (rank 0 serves HTTP, rank 1 follows): concurrent requests (a
+    chain at batch 2), one finishing early so the other's KV row moves (a broadcast row copy), then a
+    tree at batch 1, match TP 1 solo greedy."""
+    from test_tree_engine import MIXED
 
-    tp2 = built_bundle(recipe=SERVER_RECIPE, tp=2).path  # the `bundle` fixture's pair and recipe, at TP 2
+    tp2 = built_bundle(recipe=MIXED, tp=2).path  # (test_tree_lossless.py decodes 20 prompts through it)
     solo = {p: complete(server.url, prompt=p, max_tokens=n)["choices"][0]["token_ids"]
             for p, n in ((PROMPTS[0], 6), (PROMPTS[1], 40))}
     s = ServerProc(tp2, torchrun=2)

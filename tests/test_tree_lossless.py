@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from test_tp import torchrun
-from test_tree_engine import DYNAMIC, STATIC
+from test_tree_engine import DYNAMIC, MIXED, STATIC
 
 HERE = Path(__file__).resolve().parent
 N_PROMPTS, MAX_TOKENS = 20, 24
@@ -38,10 +38,12 @@ def prompts_and_reference(tiny):
     return prompts, ref
 
 
-@pytest.mark.parametrize("which", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("which", ["mixed", pytest.param("static", marks=pytest.mark.slow)])
 def test_tree_bundle_tp2_equals_transformers(tiny, tmp_path, prompts_and_reference, which):
+    """`mixed`: the dynamic tree at batch 1 (prompts run one at a time), a chain at batch 2; the same
+    TP-2 bundle test_server.py serves under torchrun."""
     prompts, ref = prompts_and_reference
-    built = tiny.bundle(tp=2, recipe=DYNAMIC if which == "dynamic" else STATIC)
+    built = tiny.bundle(tp=2, recipe=MIXED if which == "mixed" else STATIC)
     assert built.manifest["tp_degree"] == 2
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     r = torchrun(2, str(HERE / "tp_generate.py"), str(built.path), str(tmp_path / "prompts.json"),

@@ -83,8 +83,8 @@ class Pairs:
         self.target = root / "pair" / "target"
         self.bundles, self.reports = {}, {}
 
-    def write(self, fault: str):
-        d = self.root / fault
+    def write(self, fault: str, num_prompts: int | None = None):
+        d = self.root / (fault if num_prompts is None else f"{fault}-{num_prompts}")
         draft = d / "draft"
         shutil.rmtree(draft, ignore_errors=True)  # (re)written from the intact draft
         shutil.copytree(self.root / "pair" / "draft", draft)
@@ -98,7 +98,7 @@ class Pairs:
         recipe = d / "recipe.yaml"
         # a broken draft fails the gate on the recipe default of 4 prompts; the intact one is checked on 8
         recipe.write_text(RECIPE.format(name=f"tiny-{fault}", target=self.target, draft=draft, gate=GATE,
-                                        n=8 if fault == "intact" else 4))
+                                        n=num_prompts or (8 if fault == "intact" else 4)))
         return recipe
 
     def bundle(self, fault: str):
@@ -381,7 +381,8 @@ def test_run_verify_skips_what_it_cannot_run(pairs, tmp_path):
 def test_compile_runs_verify_unless_told_not_to(pairs, tmp_path):
     """`compile` verifies what it built: the intact pair exits 0 with the acceptance block, a broken
     draft exits 1 (the bundle is written, flagged as not to be deployed); --no-verify skips it."""
-    ok = run_cli("eagle3-build", "compile", str(pairs.write("intact")), "--out", str(tmp_path / "ok"))
+    # (test_intact_pair_passes verifies it on 8 prompts; here the hook on 2, in the real process)
+    ok = run_cli("eagle3-build", "compile", str(pairs.write("intact", num_prompts=2)), "--out", str(tmp_path / "ok"))
     assert ok.returncode == 0, ok.stderr[-3000:]
     text = " ".join(ok.stderr.split())
     assert "acceptance" in text.lower() and "verify failed" not in text
