@@ -1,0 +1,127 @@
+"""Adaptive speculation: of the speculation shapes a batch bucket can run, the one that yields the most
+tokens per second on this host. Each candidate's cost is measured here (the backend's warm-up times its
+graphs); its acceptance comes from the profile `verify` recorded at build time, scaled by what live rounds
+show (a decaying average). Plain decoding is always a candidate, so by the model the choice is never slower
+than it; a switch needs a margin (hysteresis), and while plain decoding is served a speculative round is
+probed now and then so that a draft which starts accepting again is noticed.
+
+    tokens per round  = 1 + drift * sum(reach)      (reach[d] = P(a round accepts at least d + 1 drafts))
+    rate              = tokens per round / seconds per round
+    drift             = decaying average of accepted / expected-accepted over the served shape's rounds
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    round_s: float  # one step at this batch bucket: verify + draft steps + catch-up (none: one decode pass)
+    reach: tuple[float, ...] = ()  # the build-time profile, non-increasing; () for plain decoding
+
+    @property
+    def expected_accepted(self) -> float:
+        return sum(self.reach)
+
+
+@dataclass
+class Chooser:
+    """Picks among `candidates` (one of them NONE) and follows live acceptance. `half_life`: rounds for an
+    observation's weight to halve; `margin`: how much faster (fraction) another shape must look before a
+    switch; `probe_every`: steps of plain decoding between two probing rounds of the best speculative shape."""
+
+    candidates: list[Candidate]
+    half_life: float = 100.0
+    margin: float = 0.05
+    probe_every: int = 64
+    drift: float = 1.0
+    current: str = field(init=False)
+    switches: int = field(init=False, default=0)
+    _plain_steps: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        names = [c.name for c in self.candidates]
+        if NONE not in names:
+            raise ValueError("the candidates must include plain decoding ('none')")
+        if len(set(names)) != len(names):
+            raise ValueError(f"candidate names repeat: {names}")
+        for c in self.candidates:
+            if not (c.round_s > 0 and math.isfinite(c.round_s)):
+                raise ValueError(f"{c.name}: round time must be a positive number, got {c.round_s}")
+            if any(not 0.0 <= r <= 1.0 for r in c.reach) or list(c.reach) != sorted(c.reach, reverse=True):
+                raise ValueError(f"{c.name}: reach must be non-increasing probabilities, got {list(c.reach)}")
+        self._by_name = {c.name: c for c in self.candidates}
+        self._alpha = 1.0 - 0.5 ** (1.0 / self.half_life)
+        self.current = self.best()
+
+    def tokens_per_round(self, name: str) -> float:
+        return 1.0 + self.drift * self._by_name[name].expected_accepted
+
+    def rate(self, name: str) -> float:
+        """Expected tokens per second per sequence with shape `name`."""
+        return self.tokens_per_round(name) / self._by_name[name].round_s
+
+    def best(self, speculative_only: bool = False) -> str:
+        names = [c.name for c in self.candidates if not (speculative_only and c.name == NONE)]
+        return max(names, key=self.rate)
+
+    def next_shape(self) -> str:
+        """The shape to run this step: the current one, or (serving plain decoding) a probe every
+        `probe_every` steps."""
+        if self.current != NONE or len(self.candidates) == 1:
+            return self.current
+        self._plain_steps += 1
+        if self._plain_steps >= self.probe_every:
+            self._plain_steps = 0
+            return self.best(speculative_only=True)
+        return NONE
+
+    def observe(self, name: str, accepted: int) -> None:
+        """One speculative round of shape `name` accepted `accepted` drafts: update the drift, then switch
+        if another shape now looks faster by more than the margin."""
+        expected = self._by_name[name].expected_accepted
+        if expected > 0:
+            self.drift += self._alpha * (accepted / expected - self.drift)
+        self._reconsider()
+
+    def _reconsider(self) -> None:
+        best = self.best()
+        if best != self.current and self.rate(best) > self.rate(self.current) * (1.0 + self.margin):
+            self.current = best
+            self.switches += 1
+            self._plain_steps = 0
+
+    def reason(self) -> str:
+        """Why the current shape: its expected rate next to plain decoding's, from the measured costs."""
+        c, plain = self._by_name[self.current], self._by_name[NONE]
+        line = (f"{c.name}: {self.tokens_per_round(c.name):.2f} tokens per {1e3 * c.round_s:.1f} ms round = "
+                f"{self.rate(c.name):.1f} tok/s per sequence")
+        if c.name != NONE:
+            line += f" vs no speculation {self.rate(NONE):.1f} tok/s ({1e3 * plain.round_s:.1f} ms per decode pass)"
+        else:
+            spec = self.best(speculative_only=True) if len(self.candidates) > 1 else None
+            if spec:
+                line += f"; best speculative shape {spec} would give {self.rate(spec):.1f} tok/s"
+        return line + f" (acceptance at {self.drift:.2f}x the build-time profile)"
+
+
+def round_seconds(manifest, seconds: dict[str, float], bucket: int) -> dict[str, float]:
+    """Seconds per step at batch bucket `bucket` from per-graph times on this host (graph name -> s): plain
+    decoding (one target_decode) and the bucket's speculation shape (target_verify + depth - 1 draft_step +
+    draft_catchup), keyed by SpecShape.describe()."""
+    def t(role: str) -> float:
+        name = manifest.graph(role, bucket).name
+        if name not in seconds:
+            raise KeyError(f"no time measured for graph {name}")
+        return seconds[name]
+
+    out = {NONE: t("target_decode")}
+    shape = manifest.speculation[bucket]
+    if shape.speculates:
+        steps = (shape.depth - 1) * t("draft_step") if shape.depth > 1 else 0.0
+        out[shape.describe()] = t("target_verify") + steps + t("draft_catchup")
+    return out

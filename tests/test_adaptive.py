@@ -1,0 +1,117 @@
+"""The adaptive-speculation chooser (eagle3_runtime.adaptive) with injected costs and acceptance: it picks
+the shape with the most tokens per second, holds it under noisy rounds, switches to plain decoding when the
+draft stops accepting (probing rarely), and back when it accepts again."""
+import random
+
+import pytest
+
+from eagle3_runtime.adaptive import NONE, Candidate, Chooser
+
+DECODE_MS = 40.0
+# a demo-like host: verify of 4 nodes ~1.1 decode passes, draft steps + catch-up ~0.3
+CHAIN3 = Candidate("chain K 3", round_s=(1.1 + 0.3) * DECODE_MS / 1e3, reach=(0.6, 0.35, 0.2))
+TREE = Candidate("tree depth 3 topk 2 nodes 8", round_s=(1.5 + 0.4) * DECODE_MS / 1e3, reach=(0.75, 0.5, 0.3))
+PLAIN = Candidate(NONE, round_s=DECODE_MS / 1e3)
+
+
+def chooser(*cands, **kw) -> Chooser:
+    return Chooser(list(cands), **kw)
+
+
+def rounds(c: Chooser, n: int, accept, rng: random.Random) -> list[str]:
+    """n engine steps; a speculative step accepts `accept(shape, rng)` drafts; returns the shapes run."""
+    ran = []
+    for _ in range(n):
+        name = c.next_shape()
+        ran.append(name)
+        if name != NONE:
+            c.observe(name, accept(name, rng))
+    return ran
+
+
+def from_profile(factor: float):
+    """Accepted drafts sampled so that P(>= d+1 accepted) = factor * reach[d] (a drifted profile)."""
+    def accept(name, rng):
+        reach = {c.name: c.reach for c in (CHAIN3, TREE)}[name]
+        u = rng.random()
+        return sum(u < factor * r for r in reach)
+    return accept
+
+
+def test_picks_the_fastest_expected_shape():
+    c = chooser(PLAIN, CHAIN3, TREE)
+    rates = {n: c.rate(n) for n in (NONE, CHAIN3.name, TREE.name)}
+    assert rates[NONE] == pytest.approx(25.0)
+    assert rates[CHAIN3.name] == pytest.approx(2.15 / 0.056)
+    assert c.current == max(rates, key=rates.get) == CHAIN3.name
+    # the same candidates on a host where the verify pass costs three decode passes: nothing pays
+    slow = [Candidate(x.name, round_s=x.round_s * 2.5, reach=x.reach) for x in (CHAIN3, TREE)]
+    assert chooser(PLAIN, *slow).current == NONE
+    assert "no speculation" in chooser(PLAIN, CHAIN3).reason() and "tok/s" in chooser(PLAIN, *slow).reason()
+
+
+def test_holds_its_choice_under_noise():
+    """Tree and chain within ~3% of each other: per-round noise (acceptance 0..3) must not make it flap."""
+    near = Candidate("chain K 3", round_s=TREE.round_s * (1 + 0.75 + 0.5 + 0.3) / (1 + 0.6 + 0.35 + 0.2) / 1.03,
+                     reach=CHAIN3.reach)
+    c = chooser(PLAIN, near, TREE)
+    start = c.current
+    ran = rounds(c, 3000, lambda name, rng: from_profile(1.0)(CHAIN3.name if name == near.name else name, rng),
+                 random.Random(0))
+    assert c.switches == 0 and c.current == start and set(ran) == {start}
+
+
+def test_switches_to_plain_when_acceptance_drifts_and_back_when_it_returns():
+    c = chooser(PLAIN, CHAIN3, TREE, probe_every=64)
+    rng = random.Random(1)
+    assert c.current == CHAIN3.name
+    # the draft stops accepting (a fine-tuned target): plain decoding within two half-lives
+    ran = rounds(c, 400, lambda name, r: 0, rng)
+    assert c.current == NONE, c.reason()
+    assert ran.index(NONE) < 2 * c.half_life
+    # while plain: one probing round in every 64 steps, at most
+    ran = rounds(c, 2000, lambda name, r: 0, rng)
+    assert c.current == NONE and ran.count(NONE) >= 2000 * (1 - 1 / 64) - 1
+    # acceptance comes back: the probes see it and speculation resumes
+    ran = rounds(c, 64 * 60, from_profile(1.0), rng)
+    assert c.current != NONE, c.reason()
+    assert 0.8 < c.drift < 1.2
+
+
+def test_a_degraded_draft_costs_at_most_the_probes():
+    """A draft that accepts almost nothing, chosen by its (wrong) build-time profile at first: after a short
+    learning phase the steps are plain except one probe in probe_every."""
+    c = chooser(PLAIN, CHAIN3, probe_every=64)
+    ran = rounds(c, 5000, from_profile(0.03), random.Random(2))
+    later = ran[500:]
+    assert c.current == NONE and sum(n != NONE for n in later) <= len(later) // 64 + 1
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([CHAIN3], "must include plain decoding"),
+    ([PLAIN, CHAIN3, CHAIN3], "names repeat"),
+    ([PLAIN, Candidate("x", round_s=0.0, reach=(0.5,))], "positive number"),
+    ([PLAIN, Candidate("x", round_s=0.1, reach=(0.2, 0.5))], "non-increasing"),
+])
+def test_bad_candidates_are_refused(bad, words):
+    with pytest.raises(ValueError, match=words):
+        Chooser(bad)
+
+
+def test_round_seconds_from_a_bundle_manifest(tiny):
+    """A real tiny bundle's manifest (chain K 3 at batch 1) and injected per-graph times: a round costs
+    verify + 2 draft steps + catch-up, plain decoding one decode pass; a graph without a time is named."""
+    from eagle3_runtime.adaptive import round_seconds
+    from eagle3_runtime.manifest import MANIFEST, Manifest
+
+    m = Manifest.model_validate_json((tiny.bundle().path / MANIFEST).read_text())
+    ms = {"target_decode": 40, "target_verify": 44, "draft_step": 3, "draft_catchup": 5, "target_prefill": 90,
+          "draft_prefill": 9}
+    secs = {g.name: ms[g.role] / 1e3 for g in m.graphs}
+    got = round_seconds(m, secs, 1)
+    assert got == pytest.approx({NONE: 0.040, "chain K 3": 0.044 + 2 * 0.003 + 0.005})
+    c = Chooser([Candidate(n, s, () if n == NONE else (0.6, 0.35, 0.2)) for n, s in got.items()])
+    assert c.current == "chain K 3"
+    del secs[m.graph("draft_step", 1).name]
+    with pytest.raises(KeyError, match="draft_step"):
+        round_seconds(m, secs, 1)
