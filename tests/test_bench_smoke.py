@@ -99,3 +99,7 @@ def test_linear_layout_smoke(tmp_path):
                         "--repeats", "2")
     assert res["projections"] == 2 * 7 + 1 and [r["rows"] for r in res["results"]] == [1, 4, 16]
     assert all(r["linear_ms"] > 0 and r["weight_stationary_ms"] > 0 for r in res["results"])
+    import torch  # this CPU torch has oneDNN: the prepacked form is measured too, and the fastest named
+    assert torch.backends.mkldnn.is_available() and all(r["onednn_packed_ms"] > 0 for r in res["results"])
+    assert all(r["fastest"] in ("linear", "weight_stationary", "onednn_packed") for r in res["results"])
+    assert res["machine_info"]["cpu"] and res["machine_info"]["threads"] == 1
