@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 .PHONY: setup test test-all demo demo-tiny clean test-neuron-stack neuron-hlo
 
 # installs go through uv (PyPI `uv`: parallel downloads and bytecode compile; ~half pip's time on 2 cores),
-# pointed at pip's find-links (the local torch wheel); plain pip when uv cannot be had
-UV_INSTALL = $(1)/uv pip install -q --python $(1)/python --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+# pointed at pip's find-links (the local torch wheel: PIP_FIND_LINKS or pip's config, which uv does not
+# read); plain pip when uv cannot be had
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(1)/uv pip install -q --python $(1)/python --compile-bytecode $(foreach d,$(FIND_LINKS),--find-links $(d))
 define install_reqs
 	$(1)/pip install -q uv && $(call UV_INSTALL,$(1)) -r $(2) && \
 	  $(call UV_INSTALL,$(1)) --no-deps -e ./eagle3_runtime -e . || { \
