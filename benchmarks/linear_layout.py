@@ -1,7 +1,8 @@
-"""Projection layout benchmark: F.linear (x @ W.T) vs weight-stationary ((W @ x.T).T, the form
-eagle3_build/models/linear.py traces into decode-sized graphs) vs oneDNN with the weight prepacked for the
-row count (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, what Inductor's CPU weight
-prepacking emits; where this torch has oneDNN), measured side by side in one run on this host's CPU.
+"""Projection layout benchmark: F.linear (x @ W.T) vs the forms the aoti backend chooses among per row
+count (eagle3_build/backends/gemm.py, the same timing code): "plain" weight-stationary ((W @ x.T).T, what
+eagle3_build/models/linear.py traces without packing), MKL's packed sgemm and oneDNN with the weight
+prepacked for the row count (eagle3_runtime/packing.py; each where this torch has it), measured side by
+side in one run on this host's CPU.
 
     python benchmarks/linear_layout.py [--config artifacts/smollm2-135m-instruct/config.json]
         [--rows 1,2,3,4,6,8,12,16] [--threads 1] [--repeats 9] [--save-result linear_layout.json]
@@ -9,9 +10,8 @@ prepacking emits; where this torch has oneDNN), measured side by side in one run
 Every projection of one forward pass of a Llama-family model (per layer q, k, v, o, gate, up, down; then
 the lm_head) with random float32 weights of the config's shapes, for x of `rows` token rows: the
 work of a decode (1 row) or verify (b * (K + 1) rows) step without attention. The forms run
-interleaved, --repeats times each; medians in ms, the ratio F.linear / weight-stationary (> 1: the
-weight-stationary form is faster) and the fastest form per row count. Without --config: SmolLM2-135M's
-shapes.
+interleaved, --repeats times each; medians in ms, the fastest form and what the builder would choose
+(gemm.pick) per row count. Without --config: SmolLM2-135M's shapes.
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eagle3_build.errors import CheckpointError
-from eagle3_build.models.linear import SMALL_ROWS, weight_stationary
+from eagle3_build.backends.gemm import F_LINEAR, FORMS, PLAIN, pick, time_forms
+from eagle3_build.models.linear import SMALL_ROWS
+from eagle3_runtime.packing import pack_available
 from eagle3_build.models.llama import llama_args
 from spec_report import machine  # noqa: E402
 
@@ -43,34 +44,6 @@ def projection_shapes(cfg: dict) -> tuple[list[tuple[int, int]], tuple[int, int]
     layer = [(q, H), (kv, H), (kv, H), (H, q), (a.intermediate_size, H), (a.intermediate_size, H),
              (H, a.intermediate_size)]
     return layer * a.num_layers, (a.vocab_size, H)
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def onednn_form(weights, rows: int):
-    """x @ W.T through oneDNN, each weight reordered once for `rows` rows (outside the timing)."""
-    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights}
-    return lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [None], "")
-
-
-def measure(weights, rows: int, repeats: int) -> dict:
-    xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-    forms = {"linear": lambda x, w: F.linear(x, w), "weight_stationary": weight_stationary}
-    if onednn_available():
-        forms["onednn_packed"] = onednn_form(weights, rows)
-    ms = {name: [] for name in forms}
-    for rep in range(repeats + 1):  # the first pass warms up and is not kept
-        for name, fn in forms.items():
-            t0 = time.perf_counter()
-            for w in weights:
-                fn(xs[w.shape[1]], w)
-            if rep:
-                ms[name].append((time.perf_counter() - t0) * 1e3)
-    med = {name: statistics.median(v) for name, v in ms.items()}
-    return {"rows": rows, **{f"{name}_ms": round(v, 2) for name, v in med.items()},
-            "ratio": round(med["linear"] / med["weight_stationary"], 3), "fastest": min(med, key=med.get)}
 
 
 def main() -> None:
@@ -91,21 +64,22 @@ def main() -> None:
         sys.exit(f"--config {args.config}: {e}")
     shapes = layer_shapes + ([] if args.no_lm_head else [head])
     weights = [torch.randn(n, k) for n, k in shapes]
+    forms = [F_LINEAR, PLAIN] + [f for f in FORMS[1:] if pack_available(f)]
     mb = sum(w.numel() for w in weights) * 4 / 2**20
     host = machine(args.threads)
     print(f"{len(weights)} projections, {mb:.0f} MiB float32, {host['cpu']}, {args.threads} thread(s); "
-          f"models/linear.py uses the weight-stationary form up to {SMALL_ROWS} rows")
-    print(f"{'rows':>4} {'F.linear ms':>12} {'weight-stat. ms':>16} {'oneDNN packed ms':>17} {'ratio':>6}  fastest")
+          f"the aoti backend chooses per row count up to {SMALL_ROWS} rows among {', '.join(forms[1:])}")
+    print(f"{'rows':>4} " + " ".join(f"{f + ' ms':>13}" for f in forms) + "  fastest / chosen")
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        r = measure(weights, rows, args.repeats)
+        ms = time_forms(shapes, rows, forms, args.repeats, weights=weights)
+        chosen = pick({f: v for f, v in ms.items() if f != F_LINEAR})
+        r = {"rows": rows, "ms": ms, "fastest": min(ms, key=ms.get), "chosen": chosen}
         results.append(r)
-        onednn = f"{r['onednn_packed_ms']:>17.1f}" if "onednn_packed_ms" in r else f"{'n/a':>17}"
-        print(f"{rows:>4} {r['linear_ms']:>12.1f} {r['weight_stationary_ms']:>16.1f} {onednn} {r['ratio']:>6.2f}  "
-              f"{r['fastest']}", flush=True)
+        print(f"{rows:>4} " + " ".join(f"{ms[f]:>13.1f}" for f in forms) + f"  {r['fastest']} / {chosen}", flush=True)
     out = {"benchmark": "linear_layout", "config": str(args.config or "SmolLM2-135M (built in)"),
            "projections": len(weights), "weights_mib": round(mb, 1), "threads": args.threads,
-           "repeats": args.repeats, "small_rows": SMALL_ROWS, "torch": torch.__version__, "machine_info": host,
+           "repeats": args.repeats, "small_rows": SMALL_ROWS, "forms": forms, "torch": torch.__version__, "machine_info": host,
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
            "results": results}
     print(json.dumps(out))

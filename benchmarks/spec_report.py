@@ -501,15 +501,11 @@ def upgrade_result(res: dict) -> dict:
 
 
 def machine(threads: int) -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import torch
 
-    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
+    from eagle3_runtime.packing import cpu_model
+
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 

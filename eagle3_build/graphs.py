@@ -157,13 +157,13 @@ def step_inputs(spec: GraphSpec, *, target_hidden: int, draft_hidden: int, dtype
 
 class BoundGraph(nn.Module):
     """What gets traced: weights arrive as a tuple input and are bound by functional_call; after them
-    come the packed copies listed in `packed` as (weight index, rows) (models.linear)."""
+    come the packed copies listed in `packed` as (weight index, rows, format) (models.linear)."""
 
     def __init__(self, role_module: nn.Module, weight_names: list[str]):
         super().__init__()
         self.role_module = role_module
         self.weight_names = ["m." + n for n in weight_names]
-        self.packed: list[tuple[int, int]] = []
+        self.packed: list[tuple[int, int, str]] = []
         self.packable: list[tuple[int, int]] | None = None  # a list: the next call records what packing would serve
 
     def forward(self, weights: tuple, kv: torch.Tensor, *inputs):
@@ -175,9 +175,9 @@ class BoundGraph(nn.Module):
             index = {id(w): i for i, w in enumerate(weights[:n])}
             self.packable[:] = sorted({(index[id(w)], rows) for w, rows in seen if id(w) in index})
             return out
-        table: dict[int, dict[int, torch.Tensor]] = {}
-        for (i, rows), p in zip(self.packed, weights[n:]):
-            table.setdefault(id(weights[i]), {})[rows] = p
+        table: dict[int, dict[int, tuple[str, torch.Tensor]]] = {}
+        for (i, rows, fmt), p in zip(self.packed, weights[n:]):
+            table.setdefault(id(weights[i]), {})[rows] = (fmt, p)
         with packed_weights(table):
             return torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
 

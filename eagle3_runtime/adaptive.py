@@ -125,3 +125,58 @@ def round_seconds(manifest, seconds: dict[str, float], bucket: int) -> dict[str,
         steps = (shape.depth - 1) * t("draft_step") if shape.depth > 1 else 0.0
         out[shape.describe()] = t("target_verify") + steps + t("draft_catchup")
     return out
+
+
+MODES = ("auto", "always", "none")  # --speculation: choose by measurement / the bundle's shape every round / plain
+PRIOR_REACH = 0.5  # no recorded profile: each depth assumed to accept half of what reaches it
+
+
+def acceptance_profile(manifest, shape) -> tuple[float, ...]:
+    """reach per depth for `shape`, as `verify` recorded it in the manifest's build record ("acceptance":
+    {shape: {"reach": [...]}}; data, so clipped to probabilities that do not increase), else the prior."""
+    try:
+        raw = [min(max(float(x), 0.0), 1.0) for x in manifest.build["acceptance"][shape.describe()]["reach"]]
+    except (KeyError, TypeError, ValueError):
+        return tuple(PRIOR_REACH ** (d + 1) for d in range(shape.depth))
+    reach, low = [], 1.0
+    for x in (raw + [0.0] * shape.depth)[:shape.depth]:
+        low = min(low, x if math.isfinite(x) else 0.0)
+        reach.append(low)
+    return tuple(reach)
+
+
+def bucket_chooser(manifest, seconds: dict[str, float], bucket: int) -> Chooser | None:
+    """The chooser of one batch bucket between plain decoding and the bundle's shape there, from per-graph
+    seconds measured on this host; None where the bucket has no speculation."""
+    shape = manifest.speculation[bucket]
+    if not shape.speculates:
+        return None
+    secs = round_seconds(manifest, seconds, bucket)
+    name = shape.describe()
+    return Chooser([Candidate(NONE, secs[NONE]), Candidate(name, secs[name], acceptance_profile(manifest, shape))])
+
+
+SPECULATION_ENV = "EAGLE3_SPECULATION"
+
+
+def add_speculation_arg(ap) -> None:
+    """--speculation and --no-spec of eagle3-run and eagle3-serve (argparse)."""
+    ap.add_argument("--speculation", default=None, metavar="MODE",
+                    help="auto: per batch bucket, the bundle's speculation shape or plain decoding, whichever is "
+                         "expected to be faster on this host (graph costs timed at start x acceptance, followed "
+                         "live); always: the bundle's shape every round; none: plain decoding (default: "
+                         f"${SPECULATION_ENV} if set, else auto)")
+    ap.add_argument("--no-spec", action="store_true", help="plain decoding, no draft (= --speculation none)")
+
+
+def speculation_mode(args, environ) -> str:
+    """The mode the flags (or $EAGLE3_SPECULATION) ask for; an Eagle3Error naming the choices otherwise."""
+    from .errors import Eagle3Error
+
+    if args.no_spec:
+        return "none"
+    mode, origin = (args.speculation, "--speculation") if args.speculation is not None else \
+        (environ.get(SPECULATION_ENV, "auto"), f"${SPECULATION_ENV}")
+    if mode not in MODES:
+        raise Eagle3Error(f"{origin} {mode[:40]!r}: choose one of {', '.join(MODES)}")
+    return mode

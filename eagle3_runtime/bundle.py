@@ -106,6 +106,11 @@ class Bundle:
         """Graph name -> seconds of its first call on this host (warm_up)."""
         return self.backend.timings
 
+    @property
+    def costs(self) -> dict[str, float]:
+        """Graph name -> seconds per call once warm, the decode loop's graphs (warm_up)."""
+        return self.backend.costs
+
     def warm_up(self) -> dict[str, float]:
         return self.backend.warm_up()
 

@@ -1,10 +1,12 @@
-"""eagle3-run BUNDLE --prompt TEXT [--max-tokens N] [--chat] [--no-spec] [--json] [--threads N]: one generation
+"""eagle3-run BUNDLE --prompt TEXT [--max-tokens N] [--chat] [--speculation auto|always|none] [--json] [--threads N]: one generation
 from a bundle, printed with its speed and acceptance (torchrun --nproc-per-node N -m eagle3_runtime.cli for TP)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
+from .adaptive import add_speculation_arg, speculation_mode
 from .bundle import BundleError
 from .engine import Engine, describe_error
 from .errors import ArgumentParser, Eagle3Error, enable_debug, print_cause
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--chat", action="store_true",
                     help="wrap the prompt as one user message in the bundle's chat template (instruct models)")
-    ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no draft")
+    add_speculation_arg(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--debug", action="store_true", help="on an error, also print its traceback with the causes")
     add_threads_arg(ap)
@@ -44,14 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     try:
         set_threads(args.threads)
+        mode = speculation_mode(args, os.environ)
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
         if bundle is None:  # a TP worker rank: the driver has finished
             return 0
         tok, template = bundle.text
-        engine = Engine(bundle, tokenizer=tok)
+        engine = Engine(bundle, tokenizer=tok, speculation=mode)
+        if not args.json:
+            print("\n".join(engine.speculation_report()), file=sys.stderr)
         try:
             prompt_ids = _prompt_ids(tok, template, args.prompt, args.chat)
-            gen = engine.generate(prompt_ids, args.max_tokens, speculative=not args.no_spec)
+            gen = engine.generate(prompt_ids, args.max_tokens)
         finally:
             if template is not None:
                 template.close()
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     n = len(gen.token_ids)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids,
-                          "text": text, "finish_reason": gen.finish_reason, "speculative": not args.no_spec,
+                          "text": text, "finish_reason": gen.finish_reason, "speculative": engine.speculative,
+                          "speculation": engine.speculation_report(),
                           "num_speculative_tokens": engine.K, "target_passes": gen.target_passes,
                           "seconds": gen.seconds, "tokens_per_second": n / gen.seconds if gen.seconds else 0.0,
                           "spec_decoding": gen.stats.to_dict()}))
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         print(f"\n[{n} tokens in {gen.seconds:.2f}s, {n / gen.seconds:.1f} tok/s, {gen.target_passes} target passes, "
               f"finish_reason={gen.finish_reason}]", file=sys.stderr)
-        if not args.no_spec:
+        if engine.speculative:
             print(gen.stats.format(), file=sys.stderr)
     return 0
 

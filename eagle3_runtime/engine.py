@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from .adaptive import MODES, NONE, Chooser, bucket_chooser
 from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
@@ -168,7 +169,7 @@ def check_request(n_prompt: int, max_tokens: int, largest_prefill: int, max_mode
 class Engine:
     def __init__(self, bundle: Bundle, *, tokenizer: BundleTokenizer | None = None,
                  speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None,
-                 on_dead: Callable[[str], None] | None = None):
+                 on_dead: Callable[[str], None] | None = None, speculation: str = "always"):
         self.bundle = bundle
         m = bundle.manifest
         self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
@@ -176,10 +177,29 @@ class Engine:
         self.shapes: dict[int, SpecShape] = dict(m.speculation)
         self.eos = set(m.eos_token_ids)
         self.tokenizer = tokenizer  # (None: token ids only, no text)
-        self.speculative = speculative
+        if speculation not in MODES:
+            raise ValueError(f"speculation {speculation!r}: choose one of {', '.join(MODES)}")
+        self.speculative = speculative and speculation != "none"
+        # --speculation auto: per batch bucket, plain decoding or the bundle's shape, whichever is expected
+        # to yield more tokens per second here (adaptive.py: graph costs timed at warm-up x acceptance)
+        self.choosers: dict[int, Chooser] = {}
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
         self.metrics.record_warmup(m, bundle.timings)
+        if speculation == "auto" and self.speculative:
+            seconds = {**bundle.timings, **getattr(bundle, "costs", {})}
+            for b in self.batch_buckets:
+                try:
+                    chooser = bucket_chooser(m, seconds, b)
+                except KeyError:  # (a graph not timed: no warm-up ran) every round speculates
+                    continue
+                if chooser is not None:
+                    self.choosers[b] = chooser
+                    self.metrics.record_choice(b, chooser)
+        for b in self.batch_buckets:
+            if b not in self.choosers:  # (fixed: what every round of the bucket runs)
+                served = self.shapes[b].describe() if self.speculative and self.shapes[b].speculates else NONE
+                self.metrics.speculation.labels(str(b), served).set(1)
         hidden = next((o for g in m.graphs if g.role == "draft_catchup" for o in g.outputs if o.name == "hidden"), None)
         self.hidden, self.hidden_dtype = (hidden.shape[-1], torch_dtype(hidden.dtype)) if hidden else (0, None)
         self.aux_width = m.graph("target_decode", self.batch_buckets[0]).outputs[-1].shape[-1]
@@ -192,6 +212,14 @@ class Engine:
         self.failures = 0  # failed steps since the last good one
         self.dead: str | None = None  # why the engine stopped, once it has
         self.on_dead = on_dead
+
+    def speculation_report(self) -> list[str]:
+        """One line per batch bucket: the speculation served and why."""
+        if not self.speculative:
+            return ["speculation: none (--speculation none)"]
+        return [f"speculation at batch {b}: " + (self.choosers[b].reason() if b in self.choosers else
+                                                  f"{self.shapes[b].describe()} (every round)")
+                for b in self.batch_buckets]
 
     # ------------------------------------------------------------------ admission
 
@@ -383,7 +411,9 @@ class Engine:
         n = len(self.active)
         bsz = pick_bucket(self.batch_buckets, n)
         shape = self.shapes[bsz]
-        spec = [shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
+        chooser = self.choosers.get(bsz)
+        served = chooser.next_shape() if chooser is not None else shape.describe()
+        spec = [served != NONE and shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
                 for s in self.active]
         if any(ok and s.gap for s, ok in zip(self.active, spec)):
             self._catch_up_gaps(bsz, shape)
@@ -490,6 +520,14 @@ class Engine:
                     path, new = verify_tree_sampled(logits[s.row], t, s.req.sampling, s.gen)
                 a = len(path) - 1
                 s.stats.record(a, N - 1, name)
+                chooser = self.choosers.get(bsz)
+                if chooser is not None:
+                    before = chooser.current
+                    chooser.observe(name, a)
+                    if chooser.current != before:
+                        log.info("speculation at batch %d: %s", bsz, chooser.reason())
+                        self.metrics.speculation_switches.labels(str(bsz)).inc()
+                        self.metrics.record_choice(bsz, chooser)
                 self.metrics.record_draft(a, N - 1, name)
                 paths[s.row, :a + 1], nxt[s.row, :a + 1], last[s.row] = torch.tensor(path), torch.tensor(new), a
                 self._emit(s, new)

@@ -20,9 +20,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 6  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
+SCHEMA_VERSION = 7  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
 # 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature);
-# 6: the KV caches' layout named (kv_layout)
+# 6: the KV caches' layout named (kv_layout); 7: weights packed for oneDNN (PackedWeight.format "onednn")
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
@@ -436,7 +436,7 @@ class PackedWeight(_Strict):
     """A graph input made at load time from one of its weights (eagle3_runtime.packing)."""
     weight: str  # qualified name, one of the graph's weights
     rows: Count  # the GEMM row count the packing is for
-    format: Literal["mkl_sgemm"]
+    format: Literal["mkl_sgemm", "onednn"]  # (packing.PACK_FORMATS)
 
 
 MAX_WEIGHTS = 1 << 16  # tensors of one model / weights of one graph (a 64-layer MoE has a few thousand)

@@ -113,6 +113,14 @@ class Metrics:
                                       ["kind"], buckets=LATENCY_BUCKETS, registry=r)
         self.graph_latency = Histogram("eagle3_graph_latency_seconds", "Compiled graph call latency by role and bucket",
                                        ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        self.speculation = Gauge("eagle3_speculation_shape", "The speculation shape served per batch bucket (1: "
+                                 "served; --speculation auto chooses it by expected tokens per second on this host)",
+                                 ["bucket", "shape"], registry=r)
+        self.speculation_rate = Gauge("eagle3_speculation_expected_tokens_per_second", "Expected tokens per second "
+                                      "per sequence of each candidate shape (measured graph costs x acceptance)",
+                                      ["bucket", "shape"], registry=r)
+        self.speculation_switches = Counter("eagle3_speculation_switches", "Changes of the served speculation shape",
+                                            ["bucket"], registry=r)
         self.warmup = Gauge("eagle3_graph_warmup_seconds", "First call of each compiled graph on this host "
                             "(warm-up at start)", ["role", "bucket"], registry=r)
         self.ttft = Histogram("eagle3_time_to_first_token_seconds", "Arrival to first token",
@@ -144,6 +152,12 @@ class Metrics:
         for g in manifest.graphs:
             if g.name in timings:
                 self.warmup.labels(g.role, str(g.bucket)).set(timings[g.name])
+
+    def record_choice(self, bucket: int, chooser) -> None:
+        """A batch bucket's speculation choice (adaptive.Chooser): which shape is served, each one's rate."""
+        for c in chooser.candidates:
+            self.speculation.labels(str(bucket), c.name).set(1 if c.name == chooser.current else 0)
+            self.speculation_rate.labels(str(bucket), c.name).set(round(chooser.rate(c.name), 3))
 
     def record_graph(self, role: str, bucket: int, seconds: float) -> None:
         self.graph_latency.labels(role, str(bucket)).observe(seconds)

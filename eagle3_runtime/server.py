@@ -43,6 +43,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .adaptive import add_speculation_arg, speculation_mode
 from .bundle import Bundle
 from .chat import Busy, TemplateRefused
 from .connection import HeadTimeoutH11
@@ -63,11 +64,12 @@ log = logging.getLogger("eagle3_runtime.server")
 
 class Server:
     def __init__(self, bundle: Bundle, *, speculative: bool = True, max_queue: int = 64,
-                 model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = 30.0):
+                 model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = 30.0,
+                 speculation: str = "always"):
         self.bundle = bundle
         self.tokenizer, self.chat = bundle.text or load_text(bundle.root)
         self.engine = Engine(bundle, tokenizer=self.tokenizer, speculative=speculative, max_queue=max_queue,
-                             on_dead=self._engine_died)
+                             on_dead=self._engine_died, speculation=speculation)
         self.model_name = model_name or bundle.manifest.name
         self.created = int(time.time())
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("bundle", help="bundle directory, or hf://org/repo@rev / file:///dir@rev (fetched and verified)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=_port, default=8000)
-    ap.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
+    add_speculation_arg(ap)
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a free sequence slot before HTTP 503")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
@@ -475,14 +477,16 @@ def main(argv: list[str] | None = None) -> int:
     server = ctx = None
     try:
         set_threads(args.threads)
+        mode = speculation_mode(args, os.environ)
         sock = bind(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None  # (rank 0 serves)
         bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
         if bundle is None:  # a TP worker rank: the driver has finished
             shutdown(ctx)
             return 0
-        server = Server(bundle, speculative=not args.no_spec, max_queue=args.max_queue,
+        server = Server(bundle, max_queue=args.max_queue, speculation=mode,
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout)
+        print("\n".join(server.engine.speculation_report()), file=sys.stderr, flush=True)
         if interrupted():  # a Ctrl-C during start-up whose KeyboardInterrupt was lost
             raise KeyboardInterrupt
     except Eagle3Error as e:

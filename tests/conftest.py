@@ -28,6 +28,9 @@ def _private_compile_cache(tmp_path_factory):
     os.environ["EAGLE3_BUILD_CACHE"] = str(cache)
     # the CLIs and servers the tests start take one thread too: two test workers share the cores
     os.environ.setdefault("EAGLE3_NUM_THREADS", "1")
+    # and speculate every round: a tiny bundle's draft costs about what its target does, so `auto` would
+    # decode plainly (tests of the choice itself ask for auto)
+    os.environ.setdefault("EAGLE3_SPECULATION", "always")
     yield
 
 

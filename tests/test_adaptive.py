@@ -115,3 +115,66 @@ def test_round_seconds_from_a_bundle_manifest(tiny):
     del secs[m.graph("draft_step", 1).name]
     with pytest.raises(KeyError, match="draft_step"):
         round_seconds(m, secs, 1)
+
+
+def test_engine_auto_serves_what_costs_and_acceptance_favour_and_stays_lossless(tiny):
+    """The engine with --speculation auto on a real tiny bundle: the warm-up times the decode loop's graphs
+    (costs); with injected costs and a recorded acceptance profile it speculates where that pays and decodes
+    plainly where not (saying so in its report and metrics) — the same tokens either way."""
+    from prometheus_client import generate_latest
+
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+    from eagle3_runtime.manifest import BATCH_ROLES
+
+    b = Bundle(tiny.bundle().path)
+    b.warm_up()
+    m = b.manifest
+    assert set(b.costs) == {g.name for g in m.graphs if g.role in BATCH_ROLES} and min(b.costs.values()) > 0
+    shape = m.speculation[1].describe()
+    ids = list(range(5, 21))
+    ref = Engine(b, speculation="always").generate(ids, 24)
+    assert ref.stats.num_drafts > 0
+    ms = {"target_decode": 40, "target_verify": 44, "draft_step": 3, "draft_catchup": 5}
+    b.backend.costs = {g.name: ms[g.role] / 1e3 for g in m.graphs if g.role in ms}
+    for reach, served in (([0.9, 0.8, 0.7], shape), ([0.02, 0.0, 0.0], NONE)):
+        m.build["acceptance"] = {shape: {"reach": reach}}
+        e = Engine(b, speculation="auto")
+        assert e.choosers[1].current == served and e.speculation_report()[0].startswith(f"speculation at batch 1: {served}")
+        gen = e.generate(ids, 24)
+        assert gen.token_ids == ref.token_ids and (gen.stats.num_drafts > 0) == (served != NONE)
+        assert f'eagle3_speculation_shape{{bucket="1",shape="{served}"}} 1.0' in generate_latest(e.metrics.registry).decode()
+    none = Engine(b, speculation="none")
+    assert none.speculation_report() == ["speculation: none (--speculation none)"]
+    assert none.generate(ids, 24).token_ids == ref.token_ids
+
+
+def test_recorded_acceptance_is_clipped_to_a_profile(tiny):
+    from eagle3_runtime.adaptive import PRIOR_REACH, acceptance_profile
+    from eagle3_runtime.manifest import MANIFEST, Manifest
+
+    m = Manifest.model_validate_json((tiny.bundle().path / MANIFEST).read_text())
+    shape = m.speculation[1]
+    assert acceptance_profile(m, shape) == tuple(PRIOR_REACH ** (d + 1) for d in range(shape.depth))
+    m.build["acceptance"] = {shape.describe(): {"reach": [1.7, 0.9, float("nan"), 0.5]}}
+    assert acceptance_profile(m, shape) == (1.0, 0.9, 0.0)
+    m.build["acceptance"] = {shape.describe(): {"reach": "high"}}
+    assert acceptance_profile(m, shape)[0] == PRIOR_REACH
+
+
+def test_speculation_flags(monkeypatch):
+    from argparse import ArgumentParser
+
+    from eagle3_runtime.adaptive import add_speculation_arg, speculation_mode
+    from eagle3_runtime.errors import Eagle3Error
+
+    ap = ArgumentParser()
+    add_speculation_arg(ap)
+    assert speculation_mode(ap.parse_args([]), {}) == "auto"
+    assert speculation_mode(ap.parse_args([]), {"EAGLE3_SPECULATION": "always"}) == "always"
+    assert speculation_mode(ap.parse_args(["--speculation", "none"]), {"EAGLE3_SPECULATION": "always"}) == "none"
+    assert speculation_mode(ap.parse_args(["--no-spec", "--speculation", "auto"]), {}) == "none"
+    with pytest.raises(Eagle3Error, match=r"--speculation 'fast': choose one of auto, always, none"):
+        speculation_mode(ap.parse_args(["--speculation", "fast"]), {})
+    with pytest.raises(Eagle3Error, match=r"\$EAGLE3_SPECULATION 'yes'"):
+        speculation_mode(ap.parse_args([]), {"EAGLE3_SPECULATION": "yes"})

@@ -11,11 +11,14 @@ import torch
 from conftest import run_cli
 from test_tp import torchrun
 
+from eagle3_runtime.packing import NO_PACK, pack_available
+
 PROMPT = "Once upon a time, in a land far away"
 MAX_TOKENS = 32
 
 
 AOTI_RECIPE = {"buckets": {"prefill": [64]}}  # with K 1: 5 graphs per bundle (no draft_step: CI time)
+PACKING = {1: "mkl_sgemm", 2: "onednn"}  # aoti bundles at TP 1 / 2: each packing format named, where this torch has it
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,11 @@ def world(tiny):
 
 def build(world, backend: str, tp: int):
     """The session's tiny pair (speculators, K 1) with one prefill bucket at TP `tp`, built by
-    `eagle3-build compile --backend BACKEND --jobs 2`."""
-    return world["tiny"].bundle(k=1, backend=backend, tp=tp, recipe=AOTI_RECIPE, jobs=2, cli=True)
+    `eagle3-build compile --backend BACKEND --jobs 2` (aoti: packing as PACKING names it)."""
+    recipe = AOTI_RECIPE
+    if backend == "aoti" and pack_available(PACKING[tp]):
+        recipe = {**recipe, "backend": "aoti", "backend_options": {"pack_weights": PACKING[tp]}}
+    return world["tiny"].bundle(k=1, backend=backend, tp=tp, recipe=recipe, jobs=2, cli=True)
 
 
 def reference(world, ids: list[int]) -> list[int]:
@@ -40,9 +46,9 @@ def reference(world, ids: list[int]) -> list[int]:
     return world["ref"][key]
 
 
-def generate(bundle: Path, tp: int = 1) -> dict:
+def generate(bundle: Path, tp: int = 1, env: dict | None = None) -> dict:
     args = [str(bundle), "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"]
-    r = run_cli("eagle3-run", *args) if tp == 1 else torchrun(tp, "-m", "eagle3_runtime.cli", *args)
+    r = run_cli("eagle3-run", *args, env=env) if tp == 1 else torchrun(tp, "-m", "eagle3_runtime.cli", *args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -83,6 +89,8 @@ def test_aoti_tp2_under_torchrun(world):
     got = generate(aoti, tp=2)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
+    if pack_available("onednn"):  # built for oneDNN-packed weights, run where none can be made: plain weights
+        assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
 
 
 def reads_before_wait(package: Path) -> list[str]:
@@ -126,13 +134,15 @@ def test_aoti_bundle_from_a_remote_needs_a_pin_and_loads_with_one(world, tmp_pat
 
 
 def assert_packed_projections(m: dict) -> None:
-    """float32 on an MKL CPU: the projections of decode-sized graphs take their weight packed for
-    their row count (made at load); prefill graphs only the last position's lm_head."""
-    if not torch.backends.mkl.is_available():
+    """float32 on CPU with the format named (PACKING): the projections of decode-sized graphs take their
+    weight packed for their row count (made at load); prefill graphs only the last position's lm_head."""
+    fmt = m["recipe"]["backend_options"].get("pack_weights")
+    if fmt is None:
         return
+    assert {r["choice"] for r in m["build"]["gemm"]["rows"].values()} == {fmt}
     for g in m["graphs"]:
         rows = {p["rows"] for p in g["packed"]}
-        assert all(p["weight"] in g["weights"] and p["format"] == "mkl_sgemm" for p in g["packed"])
+        assert all(p["weight"] in g["weights"] and p["format"] == fmt for p in g["packed"])
         if g["role"].endswith("prefill"):
             assert [p["weight"].split("/")[1] for p in g["packed"]] in ([], ["lm_head.weight"]), g["name"]
             assert rows <= {1}
@@ -177,15 +187,43 @@ def test_inductor_isa_probe_is_memoised_per_host(world):
     memos[0].write_text(json.dumps(memo))
 
 
-def test_pack_weights_option():
-    """Packing is for float32 on a CPU torch with MKL, on by default, off with pack_weights: false
-    (then the graph keys are those of an unpacked build); anything but a bool is refused."""
+def test_pack_weights_option(monkeypatch):
+    """Packing is for float32 on CPU: on by default (the fastest form per row count, measured: gemm.choose),
+    off with pack_weights: false (then the graph keys are those of an unpacked build), or one named
+    format; anything else, or a format this torch cannot make, is refused."""
+    from eagle3_build.backends import aoti as aoti_mod
     from eagle3_build.backends.aoti import AotiBackend
     from eagle3_build.errors import UserError
+    from eagle3_runtime.packing import pack_available
 
+    shapes, rows = [(64, 32), (32, 64)], [1, 4, 64]
     on, off = AotiBackend({}), AotiBackend({"pack_weights": False})
-    assert on.pack_format("float32") == ("mkl_sgemm" if torch.backends.mkl.is_available() else None)
-    assert on.pack_format("bfloat16") is None and off.pack_format("float32") is None
+    rec = on.pack_choice("float32", shapes, rows, None)
+    assert set(rec["rows"]) == {"1", "4"}  # (64 rows: beyond SMALL_ROWS, plain F.linear)
+    assert all(v["choice"] in ("plain", "mkl_sgemm", "onednn") and "plain" in v["ms"] for v in rec["rows"].values())
+    assert on.pack_choice("bfloat16", shapes, rows, None) is None and off.pack_choice("float32", shapes, rows, None) is None
     assert "pack_weights" not in off.key_fields("target_decode") and on.key_fields("target_decode")["pack_weights"]
+    if pack_available("onednn"):
+        named = AotiBackend({"pack_weights": "onednn"}).pack_choice("float32", shapes, rows, None)
+        assert {v["choice"] for v in named["rows"].values()} == {"onednn"} and named["named"] == "onednn"
     with pytest.raises(UserError, match="pack_weights"):
         AotiBackend({"pack_weights": "yes"})
+    monkeypatch.setattr(aoti_mod, "pack_available", lambda fmt: False)
+    with pytest.raises(UserError, match="pack_weights mkl_sgemm: this torch cannot make"):
+        AotiBackend({"pack_weights": "mkl_sgemm"})
+
+
+def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within_the_margin(tmp_path, monkeypatch):
+    from eagle3_build.backends import gemm
+
+    assert gemm.pick({"plain": 10.0, "mkl_sgemm": 9.9, "onednn": 12.0}) == "plain"  # within 3%: no flip
+    assert gemm.pick({"plain": 10.0, "mkl_sgemm": 9.0, "onednn": 8.0}) == "onednn"
+    big = [(4096, 4096)] * 60 + [(100, 4096)]  # 4 GB of float32: cut to 1 GiB, every shape kept in proportion
+    cut = gemm.fit(big)
+    assert sum(o * i * 4 for o, i in cut) <= gemm.MAX_BYTES and (100, 4096) in cut and cut.count((4096, 4096)) == 15
+    formats = [f for f in ("mkl_sgemm", "onednn") if pack_available(f)]
+    first = gemm.choose([(64, 32)] * 4, [1, 2, 99], formats, tmp_path)
+    assert set(first["rows"]) == {"1", "2"} and list((tmp_path / "host").glob("gemm-*.json"))
+    monkeypatch.setattr(gemm, "time_forms", lambda *a, **k: pytest.fail("measured again"))
+    assert gemm.choose([(64, 32)] * 4, [2, 1], formats, tmp_path) == first
+    assert gemm.choices({"rows": {"1": {"choice": "plain"}, "8": {"choice": "onednn"}}}) == {8: "onednn"}

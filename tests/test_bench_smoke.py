@@ -98,8 +98,8 @@ def test_linear_layout_smoke(tmp_path):
     res = _run_bench("linear_layout.py", "--config", str(tmp_path / "config.json"), "--rows", "1,4,16",
                         "--repeats", "2")
     assert res["projections"] == 2 * 7 + 1 and [r["rows"] for r in res["results"]] == [1, 4, 16]
-    assert all(r["linear_ms"] > 0 and r["weight_stationary_ms"] > 0 for r in res["results"])
-    import torch  # this CPU torch has oneDNN: the prepacked form is measured too, and the fastest named
-    assert torch.backends.mkldnn.is_available() and all(r["onednn_packed_ms"] > 0 for r in res["results"])
-    assert all(r["fastest"] in ("linear", "weight_stationary", "onednn_packed") for r in res["results"])
+    import torch  # this CPU torch has oneDNN: its prepacked form is measured too, the fastest and the choice named
+    assert torch.backends.mkldnn.is_available() and "onednn" in res["forms"] and "plain" in res["forms"]
+    assert all(set(r["ms"]) == set(res["forms"]) and min(r["ms"].values()) > 0 for r in res["results"])
+    assert all(r["fastest"] in res["forms"] and r["chosen"] in res["forms"][1:] for r in res["results"])
     assert res["machine_info"]["cpu"] and res["machine_info"]["threads"] == 1

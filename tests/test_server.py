@@ -196,6 +196,7 @@ def test_metrics_match_requests(server):
     per_pos = [d[f'eagle3_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)]
     assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
     assert d['eagle3_http_requests_total{endpoint="/v1/completions",status="200"}'] == 3
+    assert after['eagle3_speculation_shape{bucket="1",shape="chain K 3"}'] == 1  # (EAGLE3_SPECULATION=always)
     # target passes: every generated token beyond the first came from a verify/decode pass
     steps = d['eagle3_step_latency_seconds_count{kind="speculative"}'] + d.get(
         'eagle3_step_latency_seconds_count{kind="decode"}', 0)
@@ -279,3 +280,23 @@ def test_stop_string_ends_sequence(server):
         streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
                            if line.startswith("data: {"))
     assert streamed == text[:cut]
+
+
+def test_auto_speculation_reports_its_choice(bundle, server):
+    """--speculation auto: the server times its graphs at start, prints per batch bucket what it serves and
+    why, exposes the choice and every candidate's expected rate in /metrics, and answers with the same
+    greedy tokens as a server that always speculates."""
+    auto = ServerProc(bundle, "--speculation", "auto")
+    try:
+        got = complete(auto.url, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+        metrics = parse_metrics(httpx.get(auto.url + "/metrics").text)
+    finally:
+        auto.stop()
+    log = Path(auto.log.name).read_text()
+    for b in (1, 2):
+        assert f"speculation at batch {b}: " in log and " tok/s per sequence" in log
+        served = [k for k, v in metrics.items() if k.startswith(f'eagle3_speculation_shape{{bucket="{b}"') and v == 1]
+        assert len(served) == 1, metrics
+        for shape in ("none", "chain K 3"):
+            assert metrics[f'eagle3_speculation_expected_tokens_per_second{{bucket="{b}",shape="{shape}"}}'] > 0
+    assert got["choices"][0]["text"] == complete(server.url, prompt=PROMPTS[1], max_tokens=16, temperature=0)["choices"][0]["text"]

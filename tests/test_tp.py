@@ -21,8 +21,8 @@ HIDDEN, PADDED = 92, 96
 PROMPT = "Once upon a time, in a land far away"
 
 
-def torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def torchrun(n: int, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
            "--master-port", str(free_port()), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -24,12 +24,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from eagle3_runtime.manifest import GRAPH_FORMATS, dtype_name
-from eagle3_runtime.packing import pack_available
+from eagle3_runtime.packing import PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
 from ..files import atomic_write
 from ..recipe import check_backend_options
+from . import gemm
 from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
@@ -54,8 +55,12 @@ class AotiBackend(PerGraphBackend):
                             "build); build on a GPU host or use device: cpu")
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
         self.pack_weights = opts.pop("pack_weights", True)
-        if not isinstance(self.pack_weights, bool):
-            raise UserError(f"backend_options.pack_weights {self.pack_weights!r}: must be true or false")
+        if not (isinstance(self.pack_weights, bool) or self.pack_weights in PACK_FORMATS):
+            raise UserError(f"backend_options.pack_weights {self.pack_weights!r}: must be true (the fastest packing "
+                            f"per row count, measured on this host), false, or one of {', '.join(PACK_FORMATS)}")
+        if isinstance(self.pack_weights, str) and not pack_available(self.pack_weights):
+            raise UserError(f"backend_options.pack_weights {self.pack_weights}: this torch cannot make such packed "
+                            "weights; use true (the fastest available, measured) or false")
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
 
     def version(self) -> str:
@@ -74,11 +79,16 @@ class AotiBackend(PerGraphBackend):
                   "line_tables": False}
         return {**fields, "pack_weights": True} if self.pack_weights else fields  # (unpacked: the old keys)
 
-    def pack_format(self, dtype: str) -> str | None:
-        """float32 projections of decode-sized graphs take MKL-packed weights (made by the runtime at
-        load: eagle3_runtime.packing) on a CPU torch with MKL, unless backend_options.pack_weights is false."""
-        ok = self.pack_weights and self.device == "cpu" and dtype == "float32" and pack_available("mkl_sgemm")
-        return "mkl_sgemm" if ok else None
+    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int],
+                    cache_dir: Path | None) -> dict | None:
+        """float32 projections of decode-sized graphs on CPU take packed weights (made by the runtime at
+        load: eagle3_runtime.packing): per row count the fastest of plain and every format this torch can
+        make, measured here (gemm.choose), or the format pack_weights names; none with pack_weights: false."""
+        if not self.pack_weights or self.device != "cpu" or dtype != "float32":
+            return None
+        if self.pack_weights is True:
+            return gemm.choose(shapes, rows, [f for f in PACK_FORMATS if pack_available(f)], cache_dir)
+        return gemm.named(self.pack_weights, rows)
 
     def toolchain(self) -> dict[str, str]:
         return {"aoti_device": self.device, "aoti_target": self.target()}
@@ -122,23 +132,44 @@ class AotiBackend(PerGraphBackend):
 
 @contextlib.contextmanager
 def packed_input_lowering():
-    """Inductor lowers `mkl._mkl_linear` only with the packed weight as a graph constant (its freezing
-    pass makes it); here the packed weight is a graph input (made at load), so lower the call straight
-    to the same MKL kernel (mkldnn_ir.MKLPackedLinear) with every operand an input."""
-    if not torch._C.has_mkl:
-        yield
-        return
+    """Inductor lowers the packed GEMMs (`mkl._mkl_linear`, `mkldnn._linear_pointwise`) only with the packed
+    weight as a graph constant (its freezing pass makes it); here the packed weight is a graph input (made
+    at load), so lower each call straight to the same extern kernel (mkldnn_ir.MKLPackedLinear /
+    LinearUnary) with every operand an input."""
     from torch._inductor import lowering, mkldnn_ir
-    from torch._inductor.ir import TensorBox
+    from torch._inductor.ir import FixedLayout, TensorBox
 
-    op = torch.ops.mkl._mkl_linear
-    keys = [k for k in (op, op.default) if k in lowering.lowerings]
-    old = {k: lowering.lowerings[k] for k in keys}
-
-    def lower(x, packed_w, orig_w, b, batch_size, *, layout=None):
+    def mkl_linear(x, packed_w, orig_w, b, batch_size, *, layout=None):
         return TensorBox.create(mkldnn_ir.MKLPackedLinear.create(x, packed_w, orig_w, b, batch_size))
 
-    lowering.lowerings.update({k: lower for k in keys})
+    def onednn_linear(x, w, b, attr, scalars, algorithm, layout=None):
+        cls = mkldnn_ir.LinearUnary
+        x, w = cls.require_contiguous(cls.realize_input(x)), cls.realize_input(w)  # (w: an opaque oneDNN tensor)
+        inputs = [x, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
+        consts = ([] if b is not None else [None]) + [attr, scalars if scalars else [-1], algorithm]
+        *m, _ = x.get_size()
+        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[*m, w.get_size()[0]]),
+                   inputs=inputs, constant_args=consts)
+        return TensorBox.create(mkldnn_ir._create_output_node(node))
+
+    def onednn_linear_add(x, y, w, b, attr, layout=None):  # (Inductor fuses a following add into the GEMM)
+        cls = mkldnn_ir.LinearBinary
+        x, y = (cls.require_contiguous(cls.realize_input(lowering.view(t, [-1, t.get_size()[-1]]))) for t in (x, y))
+        w = cls.realize_input(w)
+        inputs = [x, y, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
+        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[x.get_size()[0], w.get_size()[0]]),
+                   inputs=inputs, constant_args=([] if b is not None else [None]) + [attr])
+        return TensorBox.create(mkldnn_ir._create_output_node(node))
+
+    ours = {}
+    if torch._C.has_mkl:
+        ours[torch.ops.mkl._mkl_linear] = mkl_linear
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        ours[torch.ops.mkldnn._linear_pointwise] = onednn_linear
+        ours[torch.ops.mkldnn._linear_pointwise.binary] = onednn_linear_add
+    table = {k: fn for op, fn in ours.items() for k in (op, getattr(op, "default", op)) if k in lowering.lowerings}
+    old = {k: lowering.lowerings[k] for k in table}
+    lowering.lowerings.update(table)
     try:
         yield
     finally:

@@ -136,8 +136,10 @@ class Backend(abc.ABC):
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per compile worker) before the first compile."""
 
-    def pack_format(self, dtype: str) -> str | None:
-        """The eagle3_runtime.packing format decode-sized projections take their weights in (None: plain)."""
+    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int],
+                    cache_dir: Path | None) -> dict | None:
+        """Which eagle3_runtime.packing format decode-sized projections take their weights in, per token row
+        count (a backends/gemm.py `choose` record); None: plain weights only."""
         return None
 
     def output_specs(self, module, example_args: tuple) -> list[tuple[list[int], object]]:

@@ -25,6 +25,7 @@ from ..graphs import GraphSpec, build_graph_module, step_inputs
 from ..pair import BuildModels, Report, build_models, contract_outputs, graph_plan, load_pair, model_entry
 from ..recipe import PairRecipe
 from ..sharding import tensor_plan, write_rank_files
+from . import gemm
 from .base import Backend, Written
 
 
@@ -44,6 +45,14 @@ def packed_shape(shape: tuple[int, ...], rows: int, fmt: str) -> list[int]:
     return list(pack_weight(torch.empty(shape), rows, fmt).shape)
 
 
+def pack_record(bm: BuildModels, backend, cache: CompileCache) -> dict | None:
+    """The backend's packing choice per token row count for this pair (backends/gemm.py), over the row
+    counts of the whole plan (every shard of a build gets the same), measured once per host."""
+    pair = bm.lp.pair
+    rows = {1, *pair.buckets.batch} | {s.tokens_per_call() for s in graph_plan(pair)}
+    return backend.pack_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]), sorted(rows), cache.root)
+
+
 def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[GraphSpec] | None = None):
     """Key every graph; yields TracedGraph in plan order. A graph is torch.export-ed (weights as inputs,
     empty stand-ins: no memory touched) unless the trace memo already maps its trace inputs to a
@@ -56,9 +65,10 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
+    pack = gemm.choices(pack_record(bm, backend, cache))  # rows -> format
     for spec in (specs if specs is not None else graph_plan(pair)):
         model = bm.models[spec.model][0]
-        fields = backend.key_fields(spec.role)
+        fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {})}
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
         ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
@@ -78,17 +88,18 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1]) for q in qnames)
         kv = torch.zeros(bm.state[spec.model].shape, dtype=dtype)
         example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
-        fmt = backend.pack_format(pair.dtype)
-        module.packable = [] if fmt else None
+        module.packable = [] if pack else None
         traced = [[s, dtype_name(x)] for s, x in backend.output_specs(module, (weights, kv, *example))]
         if traced != [[o.shape, o.dtype] for o in outputs]:  # the role module strayed from manifest.ROLES
             raise RuntimeError(f"graph {spec.name} returns {traced}, the contract table says "
                                f"{[[o.shape, o.dtype] for o in outputs]}")
         packed = []
-        if fmt:  # the projections that packing serves take their packed copy as an extra input
-            module.packed, module.packable = module.packable, None
-            weights += tuple(torch.empty(packed_shape(tuple(weights[i].shape), rows, fmt)) for i, rows in module.packed)
-            packed = [PackedWeight(weight=qnames[i], rows=rows, format=fmt) for i, rows in module.packed]
+        if pack:  # the projections that packing serves take their packed copy as an extra input
+            module.packed = [(i, rows, pack[rows]) for i, rows in module.packable if rows in pack]
+            module.packable = None
+            weights += tuple(torch.empty(packed_shape(tuple(weights[i].shape), rows, fmt))
+                             for i, rows, fmt in module.packed)
+            packed = [PackedWeight(weight=qnames[i], rows=rows, format=fmt) for i, rows, fmt in module.packed]
         ep = torch.export.export(module, (weights, kv, *example), strict=False)
         key = graph_key(ep, fields)
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs],
@@ -226,5 +237,6 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
     results = [res for _, res in fetched]
     counts = {st: sum(r.status == st for r in results) for st in ("compiled", "cached")}
     timings = {r.job.name: {"status": r.status, "seconds": round(r.seconds, 2)} for r in results}
-    return Written(graph_entries, model_entries, extra_files,
-                   {**counts, "seconds": round(time.perf_counter() - t0, 2), "graphs": timings})
+    build = {**counts, "seconds": round(time.perf_counter() - t0, 2), "graphs": timings}
+    record = pack_record(bm, backend, cache)
+    return Written(graph_entries, model_entries, extra_files, {**build, "gemm": record} if record else build)

@@ -6,9 +6,10 @@ the weights; a single row is computed as two (MKL's matrix-vector path reads the
 speed). More rows, and every other dtype (bf16 goes to oneDNN, where F.linear is the faster form at every
 row count), keep F.linear. Why, and the measurements: docs/linear-layout.md.
 
-Where the backend packs weights (aoti on an MKL CPU, float32), a weight with a packed copy for the
-call's row count goes to `mkl._mkl_linear` instead; the copies are graph inputs made by the runtime at
-load (eagle3_runtime.packing), bound here by tensor identity while tracing (`packed_weights`).
+Where the backend packs weights (aoti on CPU, float32), a weight with a packed copy for the call's row
+count goes to that copy's GEMM instead (eagle3_runtime.packing: MKL's or oneDNN's, whichever the build
+measured faster for that row count on its host); the copies are graph inputs made by the runtime at load,
+bound here by tensor identity while tracing (`packed_weights`).
 """
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_runtime.packing import packed_linear
+
 SMALL_ROWS = 32  # covers max_num_seqs x tree nodes of the demo's verify graphs (docs/linear-layout.md)
 
 
-# id(weight) -> {rows: packed copy} while tracing with packed inputs; a list collecting
+# id(weight) -> {rows: (format, packed copy)} while tracing with packed inputs; a list collecting
 # (weight, rows) while finding which projections take them
 _PACKED: contextvars.ContextVar[dict | list | None] = contextvars.ContextVar("packed_weights", default=None)
 
 
 @contextlib.contextmanager
 def packed_weights(table: dict | list):
-    """Inside: `linear` uses table[id(weight)][rows] where present, or, given a list, appends
+    """Inside: `linear` uses the (format, copy) at table[id(weight)][rows] where present, or, given a list, appends
     (weight, rows) for every projection that packing would serve."""
     token = _PACKED.set(table)
     try:
@@ -48,7 +51,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if isinstance(table, list):
         table.append((weight, rows))
     elif table is not None and rows in table.get(id(weight), {}):
-        y = torch.ops.mkl._mkl_linear(x.reshape(rows, k), table[id(weight)][rows], weight, bias, rows)
+        fmt, packed = table[id(weight)][rows]
+        y = packed_linear(x.reshape(rows, k), packed, weight, bias, fmt)
         return y.reshape(*x.shape[:-1], weight.shape[0])
     y = weight_stationary(x, weight)
     return y if bias is None else y + bias

@@ -1,6 +1,7 @@
 """verify_bundle: the bundle run through the runtime's Engine on a prompt set, against the reference."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -10,9 +11,10 @@ from pydantic import ValidationError
 
 from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.engine import Engine, SpecStats
-from eagle3_runtime.manifest import Manifest
+from eagle3_runtime.manifest import MANIFEST, Manifest
 from eagle3_runtime.reader import read_manifest
 
+from ..files import atomic_write
 from ..recipe import VerifySettings
 from .compare import NEAR_TIE_REL, PromptResult, check_continuation, coarser, compare
 from .diagnose import diagnose_draft
@@ -102,6 +104,11 @@ def verify_bundle(
             r.plain_matches_reference = list(plain.token_ids) == ref.ids
         results.append(r)
 
+    if acc.num_drafts:
+        try:
+            record_acceptance(root, manifest, acc, len(texts))
+        except OSError as e:  # (a read-only bundle: the runtime then assumes a prior profile)
+            say(f"acceptance profile not recorded in the manifest ({e.strerror or e})")
     report = VerifyReport(bundle=str(root), reference=ref_desc, dtype=manifest.dtype, reference_dtype=ref_dtype,
                           num_speculative_tokens=manifest.num_speculative_tokens, max_tokens=max_tokens,
                           speculation="; ".join(f"batch {b}: {s.describe()}" for b, s in manifest.speculation.items()),
@@ -115,6 +122,20 @@ def verify_bundle(
             report.diagnosis_error = f"{type(e).__name__}: {e}"
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def record_acceptance(root: Path, manifest: Manifest, acc: SpecStats, prompts: int) -> None:
+    """Write the acceptance profile verify measured (batch 1: the first batch bucket's shape) into the
+    manifest's build record, which the digest leaves out: "acceptance": {shape: {"reach": [P(a round
+    accepts at least d + 1 drafts) per depth], "rounds", "prompts"}}, what eagle3_runtime.adaptive weighs
+    the graph costs measured on the serving host with."""
+    shape = manifest.speculation[manifest.batch_buckets[0]].describe()
+    path = root / MANIFEST
+    raw = json.loads(path.read_text())
+    raw.setdefault("build", {}).setdefault("acceptance", {})[shape] = {
+        "reach": [round(n / acc.num_drafts, 4) for n in acc.accepted_per_position],
+        "rounds": acc.num_drafts, "prompts": prompts}
+    atomic_write(path, json.dumps(raw, indent=2))
 
 
 def read_bundle_manifest(bundle_dir: Path) -> Manifest:

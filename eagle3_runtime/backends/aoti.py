@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..manifest import BundleError, GraphEntry, Manifest
+from ..packing import describe_choice
 from ..signature import Signature, aoti_signature, read_zip_signature
 from .base import BACKEND, DEVICE, Check, GraphFn
 from .host import HostBackend
@@ -41,6 +42,9 @@ class AotiBackend(HostBackend):
             out.append(Check("device", ok, f"compiled for {isa} CPUs, host supports {host}" if ok else
                              f"aoti graphs were compiled for {isa} CPUs, this host supports {host}; rebuild the "
                              "bundle on (or for) this host", DEVICE))
+            gemm = describe_choice(m.build.get("gemm"))
+            if gemm:
+                out.append(Check("kernels", True, gemm))
         return out
 
     @classmethod

@@ -8,6 +8,7 @@ parallelism over torchrun wraps a backend in another GraphRunner (tp.py) instead
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,13 @@ from typing import Callable, ClassVar
 import torch
 
 from ..errors import Eagle3Error
-from ..manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
+from ..manifest import BATCH_ROLES, DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
 from ..signature import Signature
 
 GraphFn = Callable[..., tuple]
 DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifest.DTYPE_TABLE)
+
+COST_REPEATS, COST_BUDGET_S = 3, 1.5  # warm-up calls per decode-loop graph timed for its cost; their time limit
 
 # `eagle3-build check` verdicts (compat.py): exit codes for deploy scripts
 OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
@@ -100,6 +103,7 @@ class GraphRunner:
     manifest: Manifest
     root: Path
     timings: dict[str, float]  # graph name -> seconds of its first call on this host (warm_up)
+    costs: dict[str, float] = {}  # graph name -> seconds per call once warm, decode-loop graphs (warm_up)
 
     def graph(self, role: str, bucket: int):
         raise NotImplementedError
@@ -114,18 +118,22 @@ class GraphRunner:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def warm_up(self) -> dict[str, float]:
+    def warm_up(self, repeats: int = COST_REPEATS, budget_s: float = COST_BUDGET_S) -> dict[str, float]:
         """Call every graph once on zeros (what NxDI and vLLM do before serving) and record each first
         call's time on this host in `timings`: a graph that cannot run here fails now, as one BundleError
         naming it, instead of in the middle of a request, and the first, slow call of each bucket is paid
-        before the first request. The KV caches' contents do not matter (a row's positions are written
+        before the first request. Then the decode loop's graphs (manifest.BATCH_ROLES) run `repeats` more
+        times each, as long as those calls stay within `budget_s`: their median is `costs`, what a step
+        costs on this host (adaptive.py chooses the speculation shape from it; a graph left untimed keeps
+        its first call's time). The KV caches' contents do not matter (a row's positions are written
         before they are read)."""
-        self.timings = {}
+        self.timings, self.costs = {}, {}
+        inputs = {g.name: {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}
+                  for g in self.manifest.graphs}
         for g in self.manifest.graphs:
-            inputs = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}
             t0 = time.perf_counter()
             try:
-                call_by_name(self.graph(g.role, g.bucket), inputs)
+                call_by_name(self.graph(g.role, g.bucket), inputs[g.name])
             except Eagle3Error:
                 raise
             except Exception as e:
@@ -133,6 +141,18 @@ class GraphRunner:
                 raise BundleError(f"{self.root}: graph {g.name} fails on its first call ({type(e).__name__}: "
                                   f"{first}); the bundle does not run on this host — rebuild it") from e
             self.timings[g.name] = time.perf_counter() - t0
+        spent = 0.0
+        for g in sorted((g for g in self.manifest.graphs if g.role in BATCH_ROLES), key=lambda g: g.bucket):
+            if spent + repeats * self.timings[g.name] > budget_s:
+                self.costs[g.name] = self.timings[g.name]
+                continue
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                call_by_name(self.graph(g.role, g.bucket), inputs[g.name])
+                times.append(time.perf_counter() - t0)
+            spent += sum(times)
+            self.costs[g.name] = statistics.median(times)
         return self.timings
 
 

@@ -1,0 +1,129 @@
+"""Which GEMM the decode-sized float32 projections of CPU graphs take, chosen by measurement on this host.
+
+For every token row count the graphs' projections use (models/linear.py: at most SMALL_ROWS), the forms
+this torch offers are timed side by side over the target's own projection shapes (rank-local, as many
+weights as fit in MAX_BYTES, so they stream from memory as they do when served): "plain" (linear's
+weight-stationary mm on the plain weight) and each packing of eagle3_runtime.packing that can be made
+here (MKL's sgemm pack, oneDNN's blocked layout). The fastest wins unless it beats the form before it in
+FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key).
+
+Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch,
+shapes and row counts, so a host measures once; the manifest's build record keeps it (`inspect` prints
+it; the runtime says so at load when it runs on another CPU than the one that chose).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3_runtime.packing import PACK_FORMATS, cpu_model, pack_weight, packed_linear
+
+from ..files import atomic_write
+from ..models.linear import SMALL_ROWS, weight_stationary
+
+PLAIN = "plain"
+FORMS = (PLAIN, *PACK_FORMATS)
+F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: measured by benchmarks/linear_layout.py, never chosen)
+MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
+MARGIN = 0.03
+REPEATS = 5
+
+
+def projection_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every nn.Linear of a (meta, rank-local) model, in module order."""
+    return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def fit(shapes: list[tuple[int, int]], max_bytes: int = MAX_BYTES) -> list[tuple[int, int]]:
+    """The shapes, each kept with the same share of its count, cut down to at most max_bytes of float32."""
+    total = sum(o * i for o, i in shapes) * 4
+    if total <= max_bytes:
+        return list(shapes)
+    counts: dict[tuple[int, int], int] = {}
+    for s in shapes:
+        counts[s] = counts.get(s, 0) + 1
+    scale = max_bytes / total
+    return [s for s, n in counts.items() for _ in range(max(1, int(n * scale)))]
+
+
+def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repeats: int = REPEATS,
+               weights: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """Median ms of one pass of x @ W.T over every shape, x of `rows` rows, per form (interleaved; the
+    first pass warms up and is not kept)."""
+    torch.manual_seed(0)
+    weights = weights if weights is not None else [torch.rand(o, i) - 0.5 for o, i in shapes]
+    xs = {w.shape[1]: torch.rand(rows, w.shape[1]) for w in weights}
+    calls = {}
+    for form in forms:
+        if form == PLAIN:
+            calls[form] = [(lambda x, w=w: weight_stationary(x, w)) for w in weights]
+        elif form == F_LINEAR:
+            calls[form] = [(lambda x, w=w: F.linear(x, w)) for w in weights]
+        else:
+            calls[form] = [(lambda x, w=w, p=pack_weight(w, rows, form), f=form: packed_linear(x, p, w, None, f))
+                           for w in weights]
+    ms: dict[str, list[float]] = {f: [] for f in forms}
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            for form, fns in calls.items():
+                t0 = time.perf_counter()
+                for w, fn in zip(weights, fns):
+                    fn(xs[w.shape[1]])
+                if rep:
+                    ms[form].append((time.perf_counter() - t0) * 1e3)
+    return {f: round(statistics.median(v), 3) for f, v in ms.items()}
+
+
+def pick(ms: dict[str, float]) -> str:
+    """The fastest form, unless an earlier one in FORMS is within MARGIN of it."""
+    order = [f for f in FORMS if f in ms]
+    best = min(order, key=ms.get)
+    return next(f for f in order if ms[f] <= ms[best] * (1 + MARGIN))
+
+
+def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None) -> dict:
+    """{"cpu", "threads", "torch", "rows": {"R": {"choice": form, "ms": {form: ms}}}} for every row count
+    in `rows` that linear packs (<= SMALL_ROWS), among "plain" and `formats`; memoised in cache_dir."""
+    rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS})
+    shapes = fit(shapes)
+    forms = [PLAIN, *formats]
+    ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "capability": torch.backends.cpu.get_cpu_capability(), "forms": forms, "rows": rows,
+             "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes})}
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+        path = Path(cache_dir) / "host" / f"gemm-{digest}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if rows and formats else []
+    out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
+    for r in rows:
+        ms = time_forms(shapes, r, forms, weights=weights) if formats else {PLAIN: 0.0}
+        out["rows"][str(r)] = {"choice": pick(ms), "ms": ms}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(out, indent=1))
+    return out
+
+
+def named(fmt: str, rows: list[int]) -> dict:
+    """A `choose` record that gives every packable row count the format `fmt` (nothing measured)."""
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__, "named": fmt,
+            "rows": {str(r): {"choice": fmt, "ms": {}} for r in sorted({r for r in rows if 0 < r <= SMALL_ROWS})}}
+
+
+def choices(record: dict | None) -> dict[int, str]:
+    """Row count -> packing format of a `choose` record (row counts left plain are absent)."""
+    if not record:
+        return {}
+    return {int(r): v["choice"] for r, v in record["rows"].items() if v["choice"] != PLAIN}
