@@ -484,6 +484,18 @@ def server_command(args) -> list[str]:
     return cmd
 
 
+def eagle3_server(args, no_spec: bool, log_dir: Path) -> Server:
+    """eagle3-serve on args.bundle (--no-spec, or its default speculation), with every --server-arg."""
+    def cmd(port: int) -> list[str]:
+        out = server_command(args) + [args.bundle, "--host", "127.0.0.1", "--port", str(port)]
+        out += ["--no-spec"] if no_spec else []
+        for a in args.server_arg or []:
+            out += shlex.split(a)
+        return out
+
+    return Server(cmd, "nospec" if no_spec else "spec", log_dir)
+
+
 def tail(path: Path, n: int = 40) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -493,17 +505,14 @@ def tail(path: Path, n: int = 40) -> str:
 
 
 class Server:
-    """eagle3-serve in its own process group, logs to files; stop() is idempotent."""
+    """A server command (`make_cmd(port)`: eagle3-serve, vLLM, ...) in its own process group on a free
+    loopback port, logs to files; stop() is idempotent."""
 
-    def __init__(self, args, no_spec: bool, log_dir: Path):
+    def __init__(self, make_cmd, tag: str, log_dir: Path, env: dict | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        tag = "nospec" if no_spec else "spec"
-        self.cmd = server_command(args) + [args.bundle, "--host", "127.0.0.1", "--port", str(self.port)]
-        if no_spec:
-            self.cmd.append("--no-spec")
-        for a in args.server_arg or []:
-            self.cmd += shlex.split(a)
+        self.cmd = make_cmd(self.port)
+        self.env = env
         self.stdout_path = log_dir / f"server-{tag}.stdout.log"
         self.stderr_path = log_dir / f"server-{tag}.stderr.log"
         self.proc: subprocess.Popen | None = None
@@ -513,7 +522,7 @@ class Server:
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             try:
                 self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                             start_new_session=True)
+                                             start_new_session=True, env=self.env)
             except OSError as e:
                 raise ServerError(f"could not start {self.cmd[0]!r}: {e}") from None
         t0 = time.monotonic()
@@ -710,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             result["server_logs"] = str(log_dir)
             for no_spec in (False, True):
                 label = "no-spec" if no_spec else "spec"
-                server = Server(args, no_spec, log_dir)
+                server = eagle3_server(args, no_spec, log_dir)
                 result.setdefault("server_cmds", {})[label] = server.cmd
                 try:
                     server.start(args.server_timeout)

@@ -29,7 +29,6 @@ from rich.table import Table
 
 from eagle3_runtime.errors import DEBUG_ENV, enable_debug, print_cause
 from eagle3_runtime.manifest import BACKENDS
-from eagle3_runtime.packing import describe_choice
 
 from .errors import UserError
 from .files import os_error_line
@@ -432,6 +431,8 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                  for w, _, _ in packed) / 1e6
         out_console.print(f"packed at load: {len(packed)} weight copies ({', '.join(sorted({f for *_, f in packed}))}) "
                           f"for token rows {sorted({r for _, r, _ in packed})}, ~{mb:.0f} MB per rank", highlight=False)
+    from eagle3_runtime.packing import describe_choice  # (torch: not at the CLI's import)
+
     gemm = describe_choice(m.build.get("gemm"))
     if gemm:
         out_console.print(gemm, highlight=False)

@@ -91,6 +91,8 @@ def test_aoti_tp2_under_torchrun(world):
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
     if pack_available("onednn"):  # built for oneDNN-packed weights, run where none can be made: plain weights
         assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
+        r = run_cli("eagle3-build", "inspect", str(aoti))
+        assert r.returncode == 0 and "GEMM per token row count: 1 row onednn" in r.stdout, r.stdout[-2000:]
 
 
 def reads_before_wait(package: Path) -> list[str]:

