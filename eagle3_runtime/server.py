@@ -54,6 +54,7 @@ from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, 
                        CompletionRequest, parse_json, read_body, short_repr, validate)
 from .sampling import SamplingParams
 from .tokenizer import load_text
+from .torch_thread import TorchThread
 from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
 
@@ -65,8 +66,9 @@ log = logging.getLogger("eagle3_runtime.server")
 class Server:
     def __init__(self, bundle: Bundle, *, speculative: bool = True, max_queue: int = 64,
                  model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = 30.0,
-                 speculation: str = "always"):
+                 speculation: str = "always", torch_thread: TorchThread | None = None):
         self.bundle = bundle
+        self.torch_thread = torch_thread  # (the thread that loaded the bundle runs the engine: torch_thread.py)
         self.tokenizer, self.chat = bundle.text or load_text(bundle.root)
         self.engine = Engine(bundle, tokenizer=self.tokenizer, speculative=speculative, max_queue=max_queue,
                              on_dead=self._engine_died, speculation=speculation)
@@ -84,6 +86,10 @@ class Server:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        if self.torch_thread is not None:
+            self.torch_thread.submit(self.engine.run_forever, last=True)
+            self.thread = self.torch_thread.thread
+            return
         self.thread = threading.Thread(target=self.engine.run_forever, name="eagle3-engine", daemon=True)
         self.thread.start()
 
@@ -475,15 +481,18 @@ def main(argv: list[str] | None = None) -> int:
         enable_debug()
     logging.basicConfig(format="%(levelname)s: %(message)s")
     server = ctx = None
+    torch_thread = TorchThread()
     try:
-        set_threads(args.threads)
+        torch_thread.call(set_threads, args.threads)
         mode = speculation_mode(args, os.environ)
         sock = bind(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None  # (rank 0 serves)
-        bundle, ctx = open_bundle(args.bundle, args.expect_digest, args.verify_signature, args.trust_remote_code)
+        bundle, ctx = torch_thread.call(open_bundle, args.bundle, args.expect_digest, args.verify_signature,
+                                        args.trust_remote_code)
         if bundle is None:  # a TP worker rank: the driver has finished
+            torch_thread.close()
             shutdown(ctx)
             return 0
-        server = Server(bundle, max_queue=args.max_queue, speculation=mode,
+        server = Server(bundle, max_queue=args.max_queue, speculation=mode, torch_thread=torch_thread,
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout)
         print("\n".join(server.engine.speculation_report()), file=sys.stderr, flush=True)

@@ -140,6 +140,13 @@ def test_intact_pair_passes(pairs):
     assert len(acc.per_position) == 3 and acc.per_position[0] > 0.3
     assert r.min_acceptance_length == GATE and r.reference_dtype == "float32"
     assert "target" in r.reference and not r.failures()
+    # the acceptance profile went into the manifest's build record (outside the digest: the bundle still reads)
+    from eagle3_runtime.reader import read_manifest
+
+    m = read_manifest(pairs.bundle("intact"))
+    (shape, rec), = m.build["acceptance"].items()
+    assert shape == m.speculation[1].describe() and rec["rounds"] == acc.num_drafts and rec["prompts"] == 8
+    assert rec["reach"] == [round(x, 4) for x in acc.per_position]
 
 
 def test_missing_d2t_is_refused_at_compile(pairs):
