@@ -105,7 +105,7 @@ def vllm_server(args, k: int | None, log_dir: Path) -> Server:
     def cmd(port: int) -> list[str]:
         out = [str(vllm_python(args.vllm_venv)), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(args.target), "--dtype", "float32", "--max-model-len", "1024",
-               "--max-num-seqs", "1", "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+               "--max-num-seqs", "1", "--host", "127.0.0.1", "--port", str(port)]
         if k:
             out += ["--speculative-config",
                     json.dumps({"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": k})]

@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         enable_debug()
     logging.basicConfig(format="%(levelname)s: %(message)s")
+    logging.getLogger("eagle3_runtime").setLevel(logging.INFO)  # (the speculation switches)
     server = ctx = None
     torch_thread = TorchThread()
     try:

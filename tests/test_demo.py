@@ -130,7 +130,7 @@ def test_demo_recipe():
         return
     (p,) = load_recipe(RECIPE).pairs
     assert p.dtype == "float32" and p.parallel.tp_degree == 1
-    assert p.speculation.shapes[1].describe() == "tree depth 4 topk 2 nodes 8"  # spec_report's best shape
+    assert p.speculation.shapes[1].describe() == "chain K 3"  # served faster than the tree on MT-Bench (recipe)
     assert p.serving.max_num_seqs == 1 and p.buckets.batch == [1] and p.buckets.prefill == [128, 512]
     assert p.backend == "aoti"  # native code: the demo answers faster than transformers eager
     assert Path(p.draft.path) == DRAFT_DIR

@@ -33,7 +33,7 @@ FORMS = (PLAIN, *PACK_FORMATS)
 F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: measured by benchmarks/linear_layout.py, never chosen)
 MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
 MARGIN = 0.03
-REPEATS = 5
+REPEATS = 9
 
 
 def projection_shapes(model: nn.Module) -> list[tuple[int, int]]:
