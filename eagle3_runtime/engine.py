@@ -187,7 +187,7 @@ class Engine:
         self.metrics = metrics or Metrics(self.K)
         self.metrics.record_warmup(m, bundle.timings)
         if speculation == "auto" and self.speculative:
-            seconds = {**bundle.timings, **getattr(bundle, "costs", {})}
+            seconds = {**bundle.timings, **bundle.costs}
             for b in self.batch_buckets:
                 try:
                     chooser = bucket_chooser(m, seconds, b)

@@ -73,12 +73,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, b
 
 def describe_choice(record: dict | None) -> str | None:
     """One line on a bundle's GEMM choice (the manifest's build record "gemm"): per row count, the form
-    chosen and where it was measured, next to this host's CPU."""
-    if not record:
+    chosen and where it was measured, next to this host's CPU. None where there is none, or it is not the
+    record the builder writes (the build record is data: nothing in it is trusted to have a shape)."""
+    if not isinstance(record, dict) or not isinstance(record.get("rows"), dict):
         return None
-    rows = ", ".join(f"{r} row{'s' if r != '1' else ''} {v['choice']}" for r, v in record.get("rows", {}).items())
-    how = f"named in the recipe ({record['named']})" if record.get("named") else \
-        f"measured on {record.get('cpu')}, {record.get('threads')} thread(s)"
+    rows = ", ".join(f"{str(r)[:8]} row{'s' if r != '1' else ''} {str(v.get('choice'))[:16]}"
+                     for r, v in list(record["rows"].items())[:64] if isinstance(v, dict))
+    how = f"named in the recipe ({str(record['named'])[:16]})" if record.get("named") else \
+        f"measured on {str(record.get('cpu'))[:80]}, {str(record.get('threads'))[:8]} thread(s)"
     here = cpu_model()
     where = "this host" if here == record.get("cpu") else f"this host is {here}: rebuild here to measure again"
     return f"GEMM per token row count: {rows or 'none'} ({how}; {where})"

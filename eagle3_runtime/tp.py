@@ -118,7 +118,7 @@ class Driver(GraphRunner):
 
     def __init__(self, local: GraphRunner, ctx: TPContext):
         self.local, self.ctx = local, ctx
-        self.manifest, self.root, self.timings = local.manifest, local.root, {}
+        self.manifest, self.root, self.timings, self.costs = local.manifest, local.root, {}, {}
         self.graphs = {(g.role, g.bucket): DriverGraph(local.graph(g.role, g.bucket), i, ctx)
                        for i, g in enumerate(local.manifest.graphs)}
 

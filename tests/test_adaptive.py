@@ -178,3 +178,11 @@ def test_speculation_flags(monkeypatch):
         speculation_mode(ap.parse_args(["--speculation", "fast"]), {})
     with pytest.raises(Eagle3Error, match=r"\$EAGLE3_SPECULATION 'yes'"):
         speculation_mode(ap.parse_args([]), {"EAGLE3_SPECULATION": "yes"})
+
+
+@pytest.mark.parametrize("record", [None, [], {"rows": [1, 2]}, {"rows": {"1": "plain"}}, {"rows": {"1": {"choice": 7}}, "cpu": {}}])
+def test_a_malformed_gemm_record_is_described_or_skipped_never_raises(record):
+    from eagle3_runtime.packing import describe_choice
+
+    line = describe_choice(record)
+    assert line is None or line.startswith("GEMM per token row count")

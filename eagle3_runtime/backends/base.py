@@ -103,7 +103,7 @@ class GraphRunner:
     manifest: Manifest
     root: Path
     timings: dict[str, float]  # graph name -> seconds of its first call on this host (warm_up)
-    costs: dict[str, float] = {}  # graph name -> seconds per call once warm, decode-loop graphs (warm_up)
+    costs: dict[str, float]  # graph name -> seconds per call once warm, decode-loop graphs (warm_up)
 
     def graph(self, role: str, bucket: int):
         raise NotImplementedError
@@ -207,7 +207,7 @@ class RuntimeBackend(GraphRunner):
         raise NotImplementedError
 
     def __init__(self, root: Path, m: Manifest, rank: int):
-        self.root, self.manifest, self.rank, self.timings = Path(root), m, rank, {}
+        self.root, self.manifest, self.rank, self.timings, self.costs = Path(root), m, rank, {}, {}
         self.weights: dict[str, torch.Tensor] = {}  # "model/tensor" -> host tensor (where the host holds them)
         self.graphs: dict[tuple[str, int], Graph] = {}
 
