@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--speculation", default="auto", help="the speculative runs' --speculation (default auto, as "
+                                                          "eagle3-run: the shape chosen on this host)")
     ap.add_argument("--target", type=Path, default=None, help="transformers checkpoint (default: the bundle's target)")
     ap.add_argument("--save-result", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompt_texts("heldout", args.num_prompts)
     prompts, chat = encode_prompts(args.bundle, texts, chat=True)
 
-    rt = measure_runtime(args.bundle, prompts, args.max_tokens, args.repeats)
+    rt = measure_runtime(args.bundle, prompts, args.max_tokens, args.repeats, args.speculation)
     hf, hf_tokens = measure_transformers(target, "float32", prompts, args.max_tokens, list(manifest.eos_token_ids),
                                          args.repeats)
     same = sum(a == b for a, b in zip(rt.pop("_tokens"), hf_tokens))
@@ -58,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== decode speed, {len(prompts)} held-out chat prompts x {args.max_tokens} tokens, {threads} threads, "
           f"{manifest.backend} backend (1-min load average at start {load_at_start})")
     print(f"  {'eagle3 runtime, speculative:':32}{rt['spec']['decode_tok_s']:7.1f} tok/s   "
-          f"({manifest.speculation[manifest.batch_buckets[0]].describe()}, acceptance length {acc['mean_acceptance_length']:.2f})")
+          f"({rt['shape']['describe']}, "
+          f"acceptance length {acc['mean_acceptance_length']:.2f})")
+    for line in rt["chosen_at_start"]:
+        print(f"  --speculation {args.speculation}: {line}")
     print(f"  eagle3 runtime, no speculation: {rt['plain']['decode_tok_s']:7.1f} tok/s   "
           f"(speculation {rt['speedup_decode']:.2f}x)")
     print(f"  transformers eager (float32):   {hf['decode_tok_s']:7.1f} tok/s")

@@ -31,8 +31,8 @@ from eagle3_runtime.bundle import DTYPES, Bundle
 POSITION_INPUTS = ("pos", "start", "positions", "slots")
 
 
-def graph_inputs(bundle: Bundle, role: str, bucket: int, position: int, gen: torch.Generator) -> list[torch.Tensor]:
-    entry = bundle.graph(role, bucket).entry
+def graph_inputs(bundle: Bundle, name: str, position: int, gen: torch.Generator) -> list[torch.Tensor]:
+    entry = bundle.backend.graphs[name].entry
     m = bundle.manifest
     out = []
     for spec in entry.inputs[1:]:  # the rank is bound by the Graph
@@ -61,9 +61,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bundles = [Bundle(b) for b in args.bundles]
-    names = [{g.name: (g.role, g.bucket) for g in b.manifest.graphs} for b in bundles]
+    names = [{g.name: g.role for g in b.manifest.graphs} for b in bundles]
     common = [n for n in names[0] if all(n in other for other in names[1:])]
-    wanted = args.graphs.split(",") if args.graphs else [n for n in common if not names[0][n][0].endswith("prefill")]
+    wanted = args.graphs.split(",") if args.graphs else [n for n in common if not names[0][n].endswith("prefill")]
     unknown = [n for n in wanted if n not in common]
     if unknown:
         sys.exit(f"graphs {unknown} are not in every bundle (common: {', '.join(common)})")
@@ -73,9 +73,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     calls = {}
     for n in wanted:
-        role, bucket = names[0][n]
-        inputs = graph_inputs(bundles[0], role, bucket, args.position, gen)
-        calls[n] = [(b.graph(role, bucket), inputs) for b in bundles]
+        inputs = graph_inputs(bundles[0], n, args.position, gen)
+        calls[n] = [(b.backend.graphs[n], inputs) for b in bundles]
     ms = {n: [[] for _ in bundles] for n in wanted}
     with torch.inference_mode():
         for rep in range(args.repeats + 1):
@@ -88,11 +87,11 @@ def main() -> None:
     result = {"benchmark": "graph_latency", "bundles": [str(b) for b in args.bundles], "threads": args.threads,
               "position": args.position, "repeats": args.repeats, "torch": torch.__version__, "graphs": {}}
     print(f"median ms per call, {args.repeats} interleaved calls each, {args.threads} thread(s), position {args.position}")
-    print(f"{'graph':<22}" + "".join(f"{b.name[-28:]:>30}" for b in args.bundles))
+    print(f"{'graph':<30}" + "".join(f"{b.name[-28:]:>30}" for b in args.bundles))
     for n in wanted:
         med = [statistics.median(v) for v in ms[n]]
         result["graphs"][n] = [{"median_ms": round(m, 2), "ratio_to_first": round(med[0] / m, 3)} for m in med]
-        print(f"{n:<22}" + "".join(f"{m:>20.1f} ({med[0] / m:4.2f}x)" for m in med))
+        print(f"{n:<30}" + "".join(f"{m:>20.1f} ({med[0] / m:4.2f}x)" for m in med))
     print(json.dumps(result))
     if args.save_result:
         args.save_result.parent.mkdir(parents=True, exist_ok=True)

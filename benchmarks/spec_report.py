@@ -271,14 +271,20 @@ def _median_runs(per_prompt: list[list[dict]]) -> list[dict]:
              "ttft": statistics.median(r["ttft"] for r in rs)} for rs in per_prompt]
 
 
-def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    """Speculative and plain decoding of the same bundle, interleaved per prompt."""
+def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int, repeats: int,
+                    speculation: str = "always") -> dict:
+    """Speculative and plain decoding of the same bundle, interleaved per prompt; `speculation` as
+    eagle3-run's --speculation (auto: the warm-up times the graphs, the engine chooses among the menu)."""
     from eagle3_runtime.bundle import Bundle
     from eagle3_runtime.engine import Engine, SpecStats
 
     t0 = time.perf_counter()
-    engine = Engine(Bundle(bundle_dir))
+    bundle = Bundle(bundle_dir)
+    if speculation == "auto":
+        bundle.warm_up()
+    engine = Engine(bundle, speculation=speculation)
     load_s = time.perf_counter() - t0
+    chosen = engine.speculation_report()
     for spec in (True, False):  # warm-up: a first call of every graph used (prefill, draft, verify, catch-up)
         engine.generate(prompts[0], min(4, max_tokens), speculative=spec)
     warm = engine.metrics.graph_profile()  # profile the measured runs only
@@ -300,11 +306,14 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
     spec_s["target_passes_per_token"] = round(passes / spec_s["generated_tokens"], 3)
     same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
     graphs = engine.metrics.graph_profile(since=warm)
-    shape = engine.shapes[engine.batch_buckets[0]]  # one sequence at a time: the smallest batch bucket
+    b = engine.batch_buckets[0]  # one sequence at a time: the smallest batch bucket
+    shape = engine.menus[b].get(engine.choosers[b].current, engine.shapes[b]) if b in engine.choosers else \
+        engine.shapes[b]
     acceptance = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.to_dict().items()} | {
         "per_position_acceptance_rate": [round(x, 4) for x in stats.per_position],  # per depth
         "drafted_nodes_per_round": round(stats.num_draft_tokens / stats.num_drafts, 3) if stats.num_drafts else None}
     return {"K": engine.K, "shape": shape_record(shape), "nodes_per_verify": shape.num_nodes,
+            "speculation": speculation, "chosen_at_start": chosen, "chosen_at_end": engine.speculation_report(),
             "load_s": round(load_s, 2), "spec": spec_s, "plain": plain_s,
             "speedup_decode": round(spec_s["decode_tok_s"] / plain_s["decode_tok_s"], 3),
             "speedup_e2e": round(spec_s["e2e_tok_s"] / plain_s["e2e_tok_s"], 3),
@@ -317,7 +326,7 @@ def round_profile(graphs: dict[str, dict]) -> dict:
     mean ms, the draft graphs' ms per round (draft_step x (depth - 1) + draft_catchup), and a plain decode
     pass's mean ms (the cost one verify pass replaces)."""
     def role(name: str) -> tuple[int, float]:
-        gs = [g for key, g in graphs.items() if key.split("/")[0] == name]
+        gs = [g for key, g in graphs.items() if key.split("/")[0].split(":")[0] == name]  # (role:tag: a menu shape's)
         return sum(g["calls"] for g in gs), sum(g["total_s"] for g in gs)
 
     (nv, tv), (ns, ts), (nc, tc), (nd, td) = (role(r) for r in ("target_verify", "draft_step", "draft_catchup",

@@ -413,8 +413,10 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                       f"max_num_seqs {m.max_num_seqs}, max_model_len {m.max_model_len}")
     out_console.print(f"prefill buckets {m.prefill_buckets}, batch buckets {m.batch_buckets}, "
                       f"aux layers {m.aux_layer_ids}, draft format {m.draft_format}")
-    out_console.print("speculation: " + "; ".join(f"batch {b}: {s.describe()}" for b, s in m.speculation.items()),
-                      highlight=False)
+    out_console.print("speculation: " + "; ".join(
+        f"batch {b}: {s.describe()} [{s.tag}]" + (f", menu {', '.join(f'{x.describe()} [{x.tag}]' for x in m.menu[b])}"
+                                                  if m.menu.get(b) else "")
+        for b, s in m.speculation.items()), highlight=False, markup=False)
     for k, s in m.sources.items():
         out_console.print(f"{k}: {s['uri']}" + (f" @ {s['resolved_revision']}" if s.get("resolved_revision") else ""))
     out_console.print("toolchain: " + ", ".join(f"{k} {v}" for k, v in m.toolchain.items()))

@@ -26,6 +26,7 @@ class GraphSpec:
     role: str
     bucket: int
     shape: SpecShape  # the speculation shape it is built for (manifest.graph_shape)
+    variant: SpecShape | None = None  # the menu shape a per-shape role's graph serves (GraphEntry.shape)
 
     @property
     def contract(self) -> Role:
@@ -37,15 +38,17 @@ class GraphSpec:
 
     @property
     def name(self) -> str:
-        return self.contract.graph_name(self.bucket)
+        return self.contract.graph_name(self.bucket, self.variant)
 
     def tokens_per_call(self) -> int:
         return self.contract.tokens_per_call(self.bucket, self.shape)
 
 
-def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape]) -> list[GraphSpec]:
+def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape],
+                menu: dict[int, list[SpecShape]] | None = None) -> list[GraphSpec]:
     """Every graph a bundle needs (manifest.plan_roles)."""
-    return [GraphSpec(r, b, graph_shape(r, b, speculation)) for r, b in plan_roles(prefill_buckets, speculation)]
+    return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v)
+            for r, b, v in plan_roles(prefill_buckets, speculation, menu)]
 
 
 # ---------------------------------------------------------------- role modules

@@ -49,7 +49,7 @@ def load_pair(pair: PairRecipe) -> LoadedPair:
 
 
 def graph_plan(pair: PairRecipe) -> list[GraphSpec]:
-    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes)
+    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes, pair.speculation.menu)
 
 
 def layouts(pair: PairRecipe, t: TargetCheckpoint, d: DraftCheckpoint):

@@ -178,4 +178,6 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
         total = round(sum(g.estimate_s or 0.0 for g in graphs) / max(1, jobs or 1), 1)
     return PairPlan(pair.name, pair.backend, pair.parallel.tp_degree, pair.speculation.num_speculative_tokens, origin,
                     sizes, graphs, jobs, total, cc_args, notes, builders,
-                    {b: s.describe() for b, s in pair.speculation.shapes.items()})
+                    {b: s.describe() + (f" (menu: {', '.join(x.tag for x in pair.speculation.menu[b])})"
+                                        if pair.speculation.menu.get(b) else "")
+                     for b, s in pair.speculation.shapes.items()})

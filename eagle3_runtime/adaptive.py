@@ -1,5 +1,5 @@
-"""Adaptive speculation: of the speculation shapes a batch bucket can run, the one that yields the most
-tokens per second on this host. Each candidate's cost is measured here (the backend's warm-up times its
+"""Adaptive speculation: of the speculation shapes a batch bucket can run (its own and its menu's, all
+compiled offline), the one that yields the most tokens per second on this host. Each candidate's cost is measured here (the backend's warm-up times its
 graphs); its acceptance comes from the profile `verify` recorded at build time, scaled by what live rounds
 show (a decaying average). Plain decoding is always a candidate, so by the model the choice is never slower
 than it; a switch needs a margin (hysteresis), and while plain decoding is served a speculative round is
@@ -12,6 +12,7 @@ probed now and then so that a draft which starts accepting again is noticed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 NONE = "none"
@@ -111,49 +112,73 @@ class Chooser:
 
 def round_seconds(manifest, seconds: dict[str, float], bucket: int) -> dict[str, float]:
     """Seconds per step at batch bucket `bucket` from per-graph times on this host (graph name -> s): plain
-    decoding (one target_decode) and the bucket's speculation shape (target_verify + depth - 1 draft_step +
-    draft_catchup), keyed by SpecShape.describe()."""
-    def t(role: str) -> float:
-        name = manifest.graph(role, bucket).name
+    decoding (one target_decode) and each speculation shape of the bucket (its target_verify + depth - 1 of
+    its draft_step + the bucket's draft_catchup), keyed by SpecShape.describe()."""
+    def t(role: str, shape=None) -> float:
+        name = manifest.graph(role, bucket, shape).name
         if name not in seconds:
             raise KeyError(f"no time measured for graph {name}")
         return seconds[name]
 
     out = {NONE: t("target_decode")}
-    shape = manifest.speculation[bucket]
-    if shape.speculates:
-        steps = (shape.depth - 1) * t("draft_step") if shape.depth > 1 else 0.0
-        out[shape.describe()] = t("target_verify") + steps + t("draft_catchup")
+    for shape in manifest.shapes(bucket):
+        if shape.speculates:
+            steps = (shape.depth - 1) * t("draft_step", shape) if shape.depth > 1 else 0.0
+            out[shape.describe()] = t("target_verify", shape) + steps + t("draft_catchup")
     return out
 
 
 MODES = ("auto", "always", "none")  # --speculation: choose by measurement / the bundle's shape every round / plain
+TAG_RE = re.compile(r"chain\d{1,2}|tree\d{1,2}x\d{1,3}x\d{1,3}|static\d{1,2}x\d{1,3}-[0-9a-f]{6}")  # SpecShape.tag
 PRIOR_REACH = 0.5  # no recorded profile: each depth assumed to accept half of what reaches it
+
+
+def _recorded(manifest, name: str) -> list[float] | None:
+    """The reach per depth `verify` recorded for shape `name`, as non-increasing probabilities (it is data)."""
+    try:
+        raw = [min(max(float(x), 0.0), 1.0) for x in manifest.build["acceptance"][name]["reach"]]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    reach, low = [], 1.0
+    for x in raw:
+        low = min(low, x if math.isfinite(x) else 0.0)
+        reach.append(low)
+    return reach or None
 
 
 def acceptance_profile(manifest, shape) -> tuple[float, ...]:
     """reach per depth for `shape`, as `verify` recorded it in the manifest's build record ("acceptance":
-    {shape: {"reach": [...]}}; data, so clipped to probabilities that do not increase), else the prior."""
-    try:
-        raw = [min(max(float(x), 0.0), 1.0) for x in manifest.build["acceptance"][shape.describe()]["reach"]]
-    except (KeyError, TypeError, ValueError):
+    {shape: {"reach": [...]}}); for a chain without its own record, the deepest recorded chain's (a greedy
+    chain's first drafts are the same whatever its length), extended past its depth at its last depth's
+    conditional acceptance; else the prior."""
+    reach = _recorded(manifest, shape.describe())
+    if reach is None and shape.kind == "chain":
+        chains = {int(s.split()[-1]): s for s in _recorded_shapes(manifest) if re.fullmatch(r"chain K \d+", s)}
+        if chains:
+            depth = max(chains)
+            reach = (_recorded(manifest, chains[depth]) or [])[:depth] or None
+    if reach is None:
         return tuple(PRIOR_REACH ** (d + 1) for d in range(shape.depth))
-    reach, low = [], 1.0
-    for x in (raw + [0.0] * shape.depth)[:shape.depth]:
-        low = min(low, x if math.isfinite(x) else 0.0)
-        reach.append(low)
-    return tuple(reach)
+    ratio = reach[-1] / reach[-2] if len(reach) > 1 and reach[-2] > 0 else reach[-1]
+    while len(reach) < shape.depth:
+        reach.append(reach[-1] * ratio)
+    return tuple(reach[:shape.depth])
+
+
+def _recorded_shapes(manifest) -> list[str]:
+    acc = manifest.build.get("acceptance") if isinstance(manifest.build, dict) else None
+    return [k for k in acc if isinstance(k, str)] if isinstance(acc, dict) else []
 
 
 def bucket_chooser(manifest, seconds: dict[str, float], bucket: int) -> Chooser | None:
-    """The chooser of one batch bucket between plain decoding and the bundle's shape there, from per-graph
-    seconds measured on this host; None where the bucket has no speculation."""
-    shape = manifest.speculation[bucket]
-    if not shape.speculates:
+    """The chooser of one batch bucket among plain decoding and the bucket's shapes (its own, its menu), from
+    per-graph seconds measured on this host; None where the bucket has no speculation."""
+    shapes = [s for s in manifest.shapes(bucket) if s.speculates]
+    if not shapes:
         return None
     secs = round_seconds(manifest, seconds, bucket)
-    name = shape.describe()
-    return Chooser([Candidate(NONE, secs[NONE]), Candidate(name, secs[name], acceptance_profile(manifest, shape))])
+    return Chooser([Candidate(NONE, secs[NONE])] + [
+        Candidate(s.describe(), secs[s.describe()], acceptance_profile(manifest, s)) for s in shapes])
 
 
 SPECULATION_ENV = "EAGLE3_SPECULATION"
@@ -162,10 +187,11 @@ SPECULATION_ENV = "EAGLE3_SPECULATION"
 def add_speculation_arg(ap) -> None:
     """--speculation and --no-spec of eagle3-run and eagle3-serve (argparse)."""
     ap.add_argument("--speculation", default=None, metavar="MODE",
-                    help="auto: per batch bucket, the bundle's speculation shape or plain decoding, whichever is "
-                         "expected to be faster on this host (graph costs timed at start x acceptance, followed "
-                         "live); always: the bundle's shape every round; none: plain decoding (default: "
-                         f"${SPECULATION_ENV} if set, else auto)")
+                    help="auto: per batch bucket, plain decoding or one of the bundle's speculation shapes there (its "
+                         "own and its menu), whichever is expected to be fastest on this host (graph costs timed "
+                         "at start x acceptance, followed live); always: the bucket's own shape every round; none: "
+                         "plain decoding; a shape's tag (chain2, tree4x2x8: `eagle3-build inspect` lists them): "
+                         f"that shape every round (default: ${SPECULATION_ENV} if set, else auto)")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding, no draft (= --speculation none)")
 
 
@@ -177,6 +203,7 @@ def speculation_mode(args, environ) -> str:
         return "none"
     mode, origin = (args.speculation, "--speculation") if args.speculation is not None else \
         (environ.get(SPECULATION_ENV, "auto"), f"${SPECULATION_ENV}")
-    if mode not in MODES:
-        raise Eagle3Error(f"{origin} {mode[:40]!r}: choose one of {', '.join(MODES)}")
+    if mode not in MODES and not TAG_RE.fullmatch(mode):
+        raise Eagle3Error(f"{origin} {mode[:40]!r}: choose one of {', '.join(MODES)} or a shape's tag (chain3, "
+                          "tree4x2x8: `eagle3-build inspect BUNDLE` lists a bundle's)")
     return mode

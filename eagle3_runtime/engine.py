@@ -5,7 +5,8 @@ cache) at position p = len(ids) - 1. Active sequences occupy KV-cache rows 0..n-
 is refilled by moving the last row into it), so a batch-bucket-b graph works on rows 0..b-1.
 
 One step = at most one prefill (a waiting request, into row n) + one decode step for all rows, in
-the speculation shape of the batch bucket it runs (manifest.SpecShape: a chain, a tree or none):
+a speculation shape of the batch bucket it runs (manifest.SpecShape: a chain, a tree or none; the
+bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest of the bucket's menu):
 
   speculative round (any row can speculate):
     draft     the root's children from the last prefill / catch-up, then depth - 1 draft_step calls
@@ -39,7 +40,7 @@ from .adaptive import MODES, NONE, Chooser, bucket_chooser
 from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
-from .manifest import SpecShape, can_speculate, torch_dtype
+from .manifest import NO_SPECULATION, SpecShape, can_speculate, torch_dtype
 from .metrics import Metrics, SpecStats
 from .sampling import SamplingParams, next_token, verify_tree_sampled
 from .tokenizer import BundleTokenizer, TextStream
@@ -174,14 +175,20 @@ class Engine:
         m = bundle.manifest
         self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
         self.prefill_buckets, self.batch_buckets = m.prefill_buckets, m.batch_buckets
-        self.shapes: dict[int, SpecShape] = dict(m.speculation)
         self.eos = set(m.eos_token_ids)
         self.tokenizer = tokenizer  # (None: token ids only, no text)
-        if speculation not in MODES:
-            raise ValueError(f"speculation {speculation!r}: choose one of {', '.join(MODES)}")
+        self.menus = {b: {s.describe(): s for s in m.shapes(b)} for b in self.batch_buckets}
+        tags = sorted({s.tag for b in self.batch_buckets for s in m.shapes(b) if s.speculates})
+        if speculation not in MODES and speculation not in tags:
+            raise Eagle3Error(f"--speculation {speculation[:40]!r}: choose one of {', '.join(MODES)} or a shape of "
+                              f"this bundle ({', '.join(tags) or 'it has none'})")
         self.speculative = speculative and speculation != "none"
-        # --speculation auto: per batch bucket, plain decoding or the bundle's shape, whichever is expected
-        # to yield more tokens per second here (adaptive.py: graph costs timed at warm-up x acceptance)
+        # what each batch bucket runs without a chooser: its own shape, or the one --speculation names
+        self.shapes: dict[int, SpecShape] = {
+            b: next((s for s in m.shapes(b) if s.tag == speculation), m.speculation[b]) for b in self.batch_buckets}
+        self.catchup_len = {g.bucket: g.input("next_tokens").shape[1] for g in m.graphs if g.role == "draft_catchup"}
+        # --speculation auto: per batch bucket, plain decoding or a shape of its menu, whichever is expected
+        # to yield the most tokens per second here (adaptive.py: graph costs timed at warm-up x acceptance)
         self.choosers: dict[int, Chooser] = {}
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
@@ -393,13 +400,16 @@ class Engine:
             d = self._run("draft_prefill", S, aux=out["aux"], next_tokens=nxt, slot=slot, last=last)
             seq.take_draft(d, 0)
 
-    def _run(self, role: str, bucket: int, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Call one compiled graph with its inputs by name (manifest.ROLES) -> its outputs by name,
-        timed into the metrics (eagle3_graph_latency_seconds)."""
-        graph = self.bundle.graph(role, bucket)
+    def _run(self, role: str, bucket: int, shape_: SpecShape | None = None, **inputs: torch.Tensor
+             ) -> dict[str, torch.Tensor]:
+        """Call one compiled graph (of speculation shape `shape_`, None: the bucket's own) with its inputs by
+        name (manifest.ROLES) -> its outputs by name, timed into the metrics (eagle3_graph_latency_seconds;
+        a menu shape's graph under role:tag)."""
+        graph = self.bundle.graph(role, bucket, shape_)
         t0 = time.perf_counter()
         out = call_by_name(graph, inputs)
-        self.metrics.record_graph(role, bucket, time.perf_counter() - t0)
+        variant = graph.entry.shape
+        self.metrics.record_graph(role if variant is None else f"{role}:{variant.tag}", bucket, time.perf_counter() - t0)
         return out
 
     def _speculates(self, seq: Sequence) -> bool:
@@ -410,13 +420,12 @@ class Engine:
     def _decode_step(self) -> str:
         n = len(self.active)
         bsz = pick_bucket(self.batch_buckets, n)
-        shape = self.shapes[bsz]
         chooser = self.choosers.get(bsz)
-        served = chooser.next_shape() if chooser is not None else shape.describe()
-        spec = [served != NONE and shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
+        shape = self.shapes[bsz] if chooser is None else self.menus[bsz].get(chooser.next_shape(), NO_SPECULATION)
+        spec = [shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
                 for s in self.active]
         if any(ok and s.gap for s, ok in zip(self.active, spec)):
-            self._catch_up_gaps(bsz, shape)
+            self._catch_up_gaps(bsz)
         if any(spec):
             self._spec_round(bsz, shape, spec)
             return "speculative"
@@ -436,11 +445,11 @@ class Engine:
                 s.gap.append((out["aux"][s.row], tok))
             self._emit(s, [tok])
 
-    def _catch_up_gaps(self, bsz: int, shape: SpecShape) -> None:
+    def _catch_up_gaps(self, bsz: int) -> None:
         """Rows that decoded without speculation (a bucket without it) feed the draft the positions it
         missed, T at a time through draft_catchup, before they draft again. Other rows write only past
         their pending position (the draft's uncommitted slots)."""
-        T = shape.depth + 1
+        T = self.catchup_len[bsz]
         while any(s.gap for s in self.active):
             aux = torch.zeros(bsz, T, self.aux_width, dtype=self.hidden_dtype)
             nxt = torch.zeros(bsz, T, dtype=torch.int64)
@@ -479,14 +488,14 @@ class Engine:
                 for w, ps in enumerate(parent_slot):
                     hidden[s.row, w] = s.draft_hidden if ps < 0 else prev[s.row, ps]
             positions = (start + step - 1)[:, None].expand(bsz, W).contiguous()
-            d = self._run("draft_step", bsz, hidden=hidden, tokens=tokens, positions=positions,
+            d = self._run("draft_step", bsz, shape, hidden=hidden, tokens=tokens, positions=positions,
                           slots=start[:, None] + offsets, start=start, tree_mask=mask)
             prev = d["hidden"]
             for row, dr in drafting.items():
                 dr.expand(d["token"][row], d["logprob"][row])
 
     def _spec_round(self, bsz: int, shape: SpecShape, spec: list[bool]) -> None:
-        rows, N, T = self.active, shape.num_nodes, shape.depth + 1
+        rows, N, T = self.active, shape.num_nodes, self.catchup_len[bsz]  # (T >= shape.depth + 1)
         start = torch.zeros(bsz, dtype=torch.int64)
         for s in rows:
             start[s.row] = s.pos
@@ -501,7 +510,7 @@ class Engine:
             t = trees[s.row] = drafting[s.row].tree() if s.row in drafting else dummy_tree(shape, s.ids[-1])
             tokens[s.row], positions[s.row], mask[s.row] = torch.tensor(t.tokens), s.pos + torch.tensor(t.depths), t.mask()
         # 2. verify every node in one target pass
-        v = self._run("target_verify", bsz, tokens=tokens, positions=positions, start=start, tree_mask=mask)
+        v = self._run("target_verify", bsz, shape, tokens=tokens, positions=positions, start=start, tree_mask=mask)
         logits = v["logits"]
         self.target_passes += 1
         # 3. accept per row; the accepted nodes' KV moves to slots p..p+a

@@ -20,9 +20,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 7  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
+SCHEMA_VERSION = 8  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
 # 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature);
-# 6: the KV caches' layout named (kv_layout); 7: weights packed for oneDNN (PackedWeight.format "onednn")
+# 6: the KV caches' layout named (kv_layout); 7: weights packed for oneDNN (PackedWeight.format "onednn");
+# 8: a menu of speculation shapes per batch bucket (Manifest.menu, GraphEntry.shape)
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
@@ -55,7 +56,8 @@ def dtype_name(dtype) -> str:
 
 # ------------------------------------------------------------------ speculation shapes
 #
-# Every batch bucket has one speculation shape. A speculative round drafts a tree rooted at the
+# Every batch bucket has one speculation shape (what `--speculation always` runs) and may have a menu of
+# more, compiled alongside it (`--speculation auto` serves whichever is fastest on the host). A speculative round drafts a tree rooted at the
 # pending token: the root's children are the draft's top-k at the pending position; each of
 # `depth - 1` draft steps expands `width` frontier nodes by their top-k children; `num_nodes` nodes
 # (the root included) are verified in one target pass. Dynamic trees (SGLang's --speculative-eagle-topk /
@@ -123,6 +125,16 @@ class SpecShape(_Strict):
         """KV positions past a row's pending one that a round writes: the verify's nodes (target) and
         the draft steps' frontier nodes (draft)."""
         return max(self.num_nodes - 1, (self.depth - 1) * self.width)
+
+    @property
+    def tag(self) -> str:
+        """A short name for flags and graph names: none, chain3, tree4x2x8 (depth x topk x nodes), static
+        trees by depth x nodes and a digest of their paths."""
+        if self.kind == "static":
+            paths = hashlib.sha256(json.dumps(self.choices).encode()).hexdigest()[:6]
+            return f"static{self.depth}x{self.num_nodes}-{paths}"
+        return {"none": "none", "chain": f"chain{self.depth}",
+                "dynamic": f"tree{self.depth}x{self.topk}x{self.num_nodes}"}[self.kind]
 
     def describe(self) -> str:
         return {"none": "no speculation", "chain": f"chain K {self.depth}",
@@ -263,9 +275,12 @@ class Role:
     outputs: tuple[Port, ...]
     token_input: str  # the input whose size is the tokens one call processes
     needs_depth: int = 0  # compiled for a bucket whose shape has at least this depth
+    per_shape: bool = False  # one graph per shape of the bucket's menu (else one per bucket: merged_shape)
 
-    def graph_name(self, bucket: int) -> str:
-        return f"{self.name}_{'s' if self.bucket_kind == 'prefill' else 'b'}{bucket}"
+    def graph_name(self, bucket: int, variant: SpecShape | None = None) -> str:
+        """<role>_b<bucket> (prefill: _s<length>); a menu shape's own graph adds _<tag>."""
+        return f"{self.name}_{'s' if self.bucket_kind == 'prefill' else 'b'}{bucket}" + (
+            f"_{variant.tag}" if variant is not None else "")
 
     def input_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, dtype: str,
                     index_dtype: str = "int64") -> list[tuple[str, list[int], str]]:
@@ -311,7 +326,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          _ports("logits[1,V]:float32", "aux[1,n,A]:model"), "tokens"),
     Role("target_verify", "target", "batch",
          _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:index"),
-         _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1),
+         _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1, per_shape=True),
     Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
          _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens"),
     Role("draft_prefill", "draft", "prefill",
@@ -323,7 +338,8 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("draft_step", "draft", "batch",
          _ports("hidden[n,W,Hd]:model", "tokens[n,W]:index", "positions[n,W]:index", "slots[n,W]:index",
                 "start[n]:index", "tree_mask[n,W,M]:index"),
-         _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2),
+         _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2,
+         per_shape=True),
 )}
 # derived views
 PREFILL_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "prefill")
@@ -331,26 +347,57 @@ BATCH_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "batch")
 ROLE_MODEL = {r.name: r.model for r in ROLES.values()}
 
 
-def prefill_shape(speculation: dict[int, SpecShape]) -> SpecShape:
-    """What the prefill graphs are built for: the deepest shape, with the largest topk of any bucket
-    (draft_prefill proposes the root's children for whichever bucket the row decodes in)."""
-    deepest = max(speculation.values(), key=lambda s: (s.depth, s.topk))
-    k = max(s.topk for s in speculation.values())
+MAX_MENU = 16  # shapes on one batch bucket's menu besides its own
+
+
+def merged_shape(shapes) -> SpecShape:
+    """What a graph shared by several shapes is built for: the deepest, with the largest topk of any (the
+    prefill graphs over every shape of the bundle, a bucket's draft_catchup over its menu: they propose
+    the root's children for whichever shape drafts next, and catch up on its longest accepted path)."""
+    shapes = list(shapes)
+    deepest = max(shapes, key=lambda s: (s.depth, s.topk))
+    k = max(s.topk for s in shapes)
     return deepest if deepest.topk == k else deepest.model_copy(update={"topk": k})
 
 
-def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape]) -> list[tuple[str, int]]:
-    """Every (role, bucket) a bundle has, in build order: per batch bucket the roles its shape needs
-    (target_decode always: the plain round and the speculation-cutoff fallback), the prefill roles per
-    prefill bucket (draft_prefill if any bucket speculates)."""
-    depth = max(s.depth for s in speculation.values())
-    return ([(r, s) for s in prefill_buckets for r in PREFILL_ROLES if depth >= ROLES[r].needs_depth]
-            + [(r, b) for b, shape in speculation.items() for r in BATCH_ROLES if shape.depth >= ROLES[r].needs_depth])
+def bucket_shapes(speculation: dict[int, SpecShape], menu: dict[int, list[SpecShape]] | None,
+                  bucket: int) -> list[SpecShape]:
+    """A batch bucket's shapes: its own first, then its menu."""
+    return [speculation[bucket], *(menu or {}).get(bucket, [])]
 
 
-def graph_shape(role: str, bucket: int, speculation: dict[int, SpecShape]) -> SpecShape:
+def all_shapes(speculation: dict[int, SpecShape], menu: dict[int, list[SpecShape]] | None) -> list[SpecShape]:
+    return [s for b in speculation for s in bucket_shapes(speculation, menu, b)]
+
+
+def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape],
+               menu: dict[int, list[SpecShape]] | None = None) -> list[tuple[str, int, SpecShape | None]]:
+    """Every (role, bucket, variant) a bundle has, in build order: the prefill roles per prefill bucket
+    (draft_prefill if any shape speculates), then per batch bucket the roles its shapes need (target_decode
+    always: the plain round and the speculation-cutoff fallback); variant is the menu shape a per-shape
+    role's graph is for (None: the bucket's own shape, or a graph every shape of the bucket shares)."""
+    depth = max(s.depth for s in all_shapes(speculation, menu))
+    out: list[tuple[str, int, SpecShape | None]] = [
+        (r, s, None) for s in prefill_buckets for r in PREFILL_ROLES if depth >= ROLES[r].needs_depth]
+    for b, own in speculation.items():
+        shapes = bucket_shapes(speculation, menu, b)
+        for r in BATCH_ROLES:
+            if not ROLES[r].per_shape:
+                if max(s.depth for s in shapes) >= ROLES[r].needs_depth:
+                    out.append((r, b, None))
+                continue
+            out += [(r, b, None if s == own else s) for s in shapes if s.depth >= ROLES[r].needs_depth]
+    return out
+
+
+def graph_shape(role: str, bucket: int, speculation: dict[int, SpecShape],
+                menu: dict[int, list[SpecShape]] | None = None, variant: SpecShape | None = None) -> SpecShape:
     """The speculation shape one graph is built for."""
-    return prefill_shape(speculation) if role in PREFILL_ROLES else speculation[bucket]
+    if role in PREFILL_ROLES:
+        return merged_shape(all_shapes(speculation, menu))
+    if ROLES[role].per_shape:
+        return variant or speculation[bucket]
+    return merged_shape(bucket_shapes(speculation, menu, bucket))
 
 
 # ------------------------------------------------------------------ the KV scratch rule
@@ -457,6 +504,7 @@ class GraphEntry(_Strict):
     outputs: Capped(list[TensorSpec], MAX_PORTS)
     backend: dict[str, Any] = {}
     key: str = ""  # compile-cache key (eagle3_build.compile.cache)
+    shape: SpecShape | None = None  # a per-shape role's graph for a menu shape (None: the bucket's own shape)
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -487,8 +535,9 @@ class Manifest(_Strict):
     backend: str
     dtype: Literal[MODEL_DTYPES]  # type: ignore[valid-type]
     tp_degree: Count
-    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # the deepest shape's depth
-    speculation: Capped(dict[Count, SpecShape], 64)  # per batch bucket
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # the deepest shape's depth (menus too)
+    speculation: Capped(dict[Count, SpecShape], 64)  # per batch bucket: what --speculation always serves
+    menu: Capped(dict[Count, Capped(list[SpecShape], MAX_MENU)], 64) = {}  # per batch bucket: more shapes
     max_num_seqs: Count
     max_model_len: Count
     prefill_buckets: Capped(list[Count], 64) = Field(min_length=1)
@@ -524,7 +573,16 @@ class Manifest(_Strict):
         if sorted(self.speculation) != self.batch_buckets:
             raise ValueError(f"speculation must have one shape per batch bucket {self.batch_buckets}, "
                              f"has {sorted(self.speculation)}")
-        if K != max(s.depth for s in self.speculation.values()):
+        for b, shapes in self.menu.items():
+            own = self.speculation.get(b)
+            if own is None or not own.speculates:
+                raise ValueError(f"menu: batch bucket {b} {'is not one of the batch buckets' if own is None else 'does not speculate'}; "
+                                 "a menu extends a speculating bucket's shape")
+            tags = [s.tag for s in [own, *shapes]]
+            if any(not s.speculates for s in shapes) or len(set(tags)) != len(tags):
+                raise ValueError(f"menu of batch bucket {b}: {tags[1:]} must be speculating shapes, each once and "
+                                 f"other than the bucket's own ({tags[0]})")
+        if K != max(s.depth for s in all_shapes(self.speculation, self.menu)):
             raise ValueError(f"num_speculative_tokens {K} is not the deepest speculation shape's depth")
         if self.max_num_seqs < self.batch_buckets[-1]:
             raise ValueError(f"max_num_seqs {self.max_num_seqs} is below the largest batch bucket "
@@ -537,13 +595,16 @@ class Manifest(_Strict):
             if m.name != name or len(m.weight_files) != self.tp_degree:
                 raise ValueError(f"models.{name}: needs name {name!r} and one weight file per rank "
                                  f"({self.tp_degree}), has {len(m.weight_files)}")
-        have = {(g.role, g.bucket) for g in self.graphs}
+        have = {(g.role, g.bucket, g.shape.tag if g.shape else None) for g in self.graphs}
         if len(have) != len(self.graphs):
-            raise ValueError("graphs: more than one graph for the same role and bucket")
-        need = plan_roles(self.prefill_buckets, self.speculation)
-        missing = [f"{r}/{b}" for r, b in need if (r, b) not in have]
+            raise ValueError("graphs: more than one graph for the same role, bucket and shape")
+        need = {(r, b, v.tag if v else None) for r, b, v in plan_roles(self.prefill_buckets, self.speculation, self.menu)}
+        missing = [f"{r}/{b}" + (f"/{v}" if v else "") for r, b, v in sorted(need - have, key=str)]
         if missing:
-            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shape's roles)")
+            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles)")
+        extra = [f"{r}/{b}" + (f"/{v}" if v else "") for r, b, v in sorted(have - need, key=str)]
+        if extra:
+            raise ValueError(f"graphs: {', '.join(extra[:4])} serves no shape of its bucket (speculation, menu)")
         states = _check_states(self)
         weights: dict[str, list[str]] = {}
         for g in self.graphs:
@@ -561,7 +622,11 @@ class Manifest(_Strict):
         return self
 
     def scratch(self) -> int:
-        return max(s.scratch for s in self.speculation.values())
+        return max(s.scratch for s in all_shapes(self.speculation, self.menu))
+
+    def shapes(self, bucket: int) -> list[SpecShape]:
+        """A batch bucket's speculation shapes: its own, then its menu."""
+        return bucket_shapes(self.speculation, self.menu, bucket)
 
     def state_bytes(self) -> int:
         return sum(s.nbytes for s in self.state)
@@ -579,11 +644,15 @@ class Manifest(_Strict):
         """The name of model `model`'s KV cache (what its graphs mutate)."""
         return next(g.state for g in self.graphs if g.model == model)
 
-    def graph(self, role: str, bucket: int) -> GraphEntry:
+    def graph(self, role: str, bucket: int, shape: SpecShape | None = None) -> GraphEntry:
+        """The graph of `role` at `bucket` that serves `shape` (None: the bucket's own shape)."""
+        variant = shape if shape is not None and ROLES[role].per_shape and shape != self.speculation.get(bucket) \
+            else None
         for g in self.graphs:
-            if g.role == role and g.bucket == bucket:
+            if g.role == role and g.bucket == bucket and g.shape == variant:
                 return g
-        raise KeyError(f"bundle has no {role} graph for bucket {bucket}")
+        raise KeyError(f"bundle has no {role} graph for bucket {bucket}" + (f" and {variant.describe()}" if variant
+                                                                               else ""))
 
     def all_files(self) -> list[FileEntry]:
         """Every file once (a neuron bundle's graphs of one model share that model's file)."""
@@ -656,7 +725,7 @@ def _check_ports(m: Manifest, g: GraphEntry) -> None:
     """Every input and output of a graph, the rank first, as the role table resolves it for its bucket's
     speculation shape, the padded hidden sizes, the vocab and the bundle's dtypes: the engine builds its
     inputs from these and reads the outputs by them."""
-    shape = graph_shape(g.role, g.bucket, m.speculation)
+    shape = graph_shape(g.role, g.bucket, m.speculation, m.menu, g.shape)
     role = ROLES[g.role]
     hidden = {name: m.models[name].layout_int("padded_hidden") for name in m.models}
     dims = _dims(g.bucket, shape, hidden["target"], hidden["draft"], m.vocab_size)
@@ -688,7 +757,7 @@ def _check_weights(m: Manifest, g: GraphEntry, first: list[str]) -> None:
     if g.packed and m.backend not in PACKING_BACKENDS:
         raise ValueError(f"graph {g.name}: packed weights on a {m.backend} graph (only {', '.join(PACKING_BACKENDS)} "
                          "graphs take them)")
-    rows = ROLES[g.role].tokens_per_call(g.bucket, graph_shape(g.role, g.bucket, m.speculation))
+    rows = ROLES[g.role].tokens_per_call(g.bucket, graph_shape(g.role, g.bucket, m.speculation, m.menu, g.shape))
     for p in g.packed:
         spec = specs.get(p.weight)
         if spec is None:

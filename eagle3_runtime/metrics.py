@@ -148,10 +148,12 @@ class Metrics:
             self.per_pos_rate.labels(str(i)).set(rate)
 
     def record_warmup(self, manifest, timings: dict[str, float]) -> None:
-        """The warm-up's first-call time of every graph (graph name -> seconds), by role and bucket."""
+        """The warm-up's first-call time of every graph (graph name -> seconds), by role (a menu shape's graph:
+        role:tag) and bucket."""
         for g in manifest.graphs:
             if g.name in timings:
-                self.warmup.labels(g.role, str(g.bucket)).set(timings[g.name])
+                self.warmup.labels(g.role if g.shape is None else f"{g.role}:{g.shape.tag}", str(g.bucket)).set(
+                    timings[g.name])
 
     def record_choice(self, bucket: int, chooser) -> None:
         """A batch bucket's speculation choice (adaptive.Chooser): which shape is served, each one's rate."""

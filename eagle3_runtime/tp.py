@@ -119,11 +119,7 @@ class Driver(GraphRunner):
     def __init__(self, local: GraphRunner, ctx: TPContext):
         self.local, self.ctx = local, ctx
         self.manifest, self.root, self.timings, self.costs = local.manifest, local.root, {}, {}
-        self.graphs = {(g.role, g.bucket): DriverGraph(local.graph(g.role, g.bucket), i, ctx)
-                       for i, g in enumerate(local.manifest.graphs)}
-
-    def graph(self, role: str, bucket: int) -> DriverGraph:
-        return self.graphs[(role, bucket)] if (role, bucket) in self.graphs else self.local.graph(role, bucket)
+        self.graphs = {g.name: DriverGraph(local.graphs[g.name], i, ctx) for i, g in enumerate(local.manifest.graphs)}
 
     def _announce(self, *header: int) -> None:
         dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.ctx.ctrl)
@@ -140,7 +136,7 @@ class Driver(GraphRunner):
 
 def worker_loop(bundle: Bundle, ctx: TPContext) -> None:
     """Ranks > 0: run whatever graph the driver announces until it says stop."""
-    graphs = [bundle.graph(g.role, g.bucket) for g in bundle.manifest.graphs]
+    graphs = [bundle.backend.graphs[g.name] for g in bundle.manifest.graphs]
     header = torch.zeros(3, dtype=torch.int64)
     with torch.inference_mode():
         while True:

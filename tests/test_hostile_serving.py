@@ -56,9 +56,9 @@ def serving(b, faults: dict[str, float]):
     from eagle3_runtime.server import Server, bind, serve
 
     real = dict(b.loaded.graphs)
-    for (role, bucket), g in real.items():
-        if g.entry.name in faults:
-            b.loaded.graphs[(role, bucket)] = Flaky(g, faults[g.entry.name])
+    for name, g in real.items():
+        if name in faults:
+            b.loaded.graphs[name] = Flaky(g, faults[name])
     server = Server(b)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -90,7 +90,7 @@ def test_an_engine_error_fails_its_request_and_the_next_is_served(loaded):
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 8
         assert complete(url).json()["choices"][0]["token_ids"] == ok.json()["choices"][0]["token_ids"]
         # a stream whose step fails: the error arrives in the stream, which still ends with [DONE]
-        loaded.loaded.graphs[("target_verify", 1)].times = 1
+        loaded.loaded.graphs["target_verify_b1"].times = 1
         r = complete(url, stream=True)
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert r.status_code == 200 and events[-1] == "[DONE]"

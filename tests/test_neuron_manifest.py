@@ -29,7 +29,7 @@ CASES = [  # (edit of the target model's graph entries, what the message must sa
     (drop_field("n_out"), "backend.n_out is missing"),
     (set_field("n_out", 0), "backend.n_out 0 is outside"),
     (set_field("format", "torchscript"), "its file is a 'torchscript' graph, a neuron bundle's graphs are 'nxd-model'"),
-    (set_field("key", "draft_step"), "backend.key 'draft_step' is not the graph's role"),
+    (set_field("key", "draft_step"), "backend.key 'draft_step' is not the graph's key 'target_prefill'"),
     (set_field("bucket_index", -1), "backend.bucket_index -1 is outside"),
     (drop_field("bucket_index"), "backend.bucket_index is missing"),
 ]

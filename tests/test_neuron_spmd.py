@@ -41,11 +41,11 @@ def neuron_pair(tmp_path, tp, arch="llama", options=None, **pair_kw):
         "speculation": pair.speculation.model_copy(update={"shapes": {1: shape, 2: shape}})})
 
 
-def serve_batch(bundle, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> tuple[list[list[int]], int]:
+def serve_batch(bundle, prompts=PROMPTS, max_tokens=MAX_TOKENS, speculation="always") -> tuple[list[list[int]], int]:
     """Continuous batching: every request queued at once, two rows at a time."""
     from eagle3_runtime.engine import Engine, Request
 
-    engine = Engine(bundle)
+    engine = Engine(bundle, speculation=speculation)
     moves = []
     real_move = bundle.copy_kv_row
     bundle.copy_kv_row = lambda src, dst: (moves.append((src, dst)), real_move(src, dst))
@@ -433,3 +433,31 @@ def test_every_key_owns_its_module_because_single_bucket_keys_drop_their_weights
         for p in c["instance"].module.parameters():
             assert owners.setdefault(id(p), key) == key, f"{key} shares a Parameter with {owners[id(p)]}"
     assert len(builder.model_collection) == len(mg.keys())
+
+
+def test_a_menu_of_shapes_is_one_nxd_key_per_shape_and_each_decodes_like_transformers(standin_sdk, tmp_path):
+    """A chain K 3 bundle with a menu (chain 1, a tree of depth 2, 5 nodes): each menu shape's verify / draft-step graphs
+    are their own ModelBuilder keys (a key traces one module: another topk or width is another module), the
+    tree in the menu brings the target's kv_compact key, and every shape decodes as transformers' greedy."""
+    from eagle3_build.build import build_bundle
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_build.recipe import Speculation
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.manifest import chain, dynamic_tree
+
+    pair = neuron_pair(tmp_path, 2)
+    menu = [chain(1), dynamic_tree(2, 2, 5)]  # (5 nodes: NxD routes by shapes, chain K 3 verifies 4)
+    pair = pair.model_copy(update={"speculation": Speculation(
+        num_speculative_tokens=3, shapes=pair.speculation.shapes, menu={b: menu for b in pair.buckets.batch})})
+    out = tmp_path / "bundle"
+    m = build_bundle(pair, out, cache=CompileCache(tmp_path / "cache"))
+    target, draft = StandInModelBuilder.instances
+    assert {"target_verify", "target_verify.chain1", "target_verify.tree2x2x5", "kv_compact"} <= set(target.model_collection)
+    assert {"draft_step", "draft_step.tree2x2x5"} <= set(draft.model_collection)
+    assert len(target.model_collection["target_verify.chain1"]["examples"]) == 2  # batch buckets 1 and 2
+    assert m.graph("target_verify", 2, menu[1]).backend["key"] == "target_verify.tree2x2x5"
+    bundle = Bundle(out)
+    want = [hf_greedy(tmp_path / "pair" / "target", ids, n) for ids, n in zip(PROMPTS, MAX_TOKENS)]
+    for tag in ("chain3", "chain1", "tree2x2x5"):
+        outs, _ = serve_batch(bundle, speculation=tag)
+        assert outs == want, tag

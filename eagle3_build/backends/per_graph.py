@@ -216,7 +216,7 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
                 if info.get("neff") == fname:
                     info["neff"] = dest.name
         graph_entries.append(GraphEntry(
-            name=tg.spec.name, role=tg.spec.role, model=tg.spec.model, bucket=tg.spec.bucket,
+            name=tg.spec.name, role=tg.spec.role, model=tg.spec.model, bucket=tg.spec.bucket, shape=tg.spec.variant,
             file=file_entry(root, main), weights=tg.weights, packed=tg.packed, state=bm.state[tg.spec.model].name,
             inputs=tg.inputs, outputs=tg.outputs, backend=info, key=tg.job.key))
 

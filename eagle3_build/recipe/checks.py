@@ -1,5 +1,5 @@
 """The recipe's rules beyond its schema: sources, buckets, speculation shapes (chains, trees, one per
-batch bucket), backend options, and a checked pair built into a PairRecipe."""
+batch bucket, a menu of more), backend options, and a checked pair built into a PairRecipe."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,9 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_NODES, NO_SPECULATION, SpecShape, chain,
-                                     choices_problems, dynamic_tree, min_max_model_len, static_tree, tree_problems)
+from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_MENU, MAX_NODES, NO_SPECULATION, SpecShape, all_shapes,
+                                     chain, choices_problems, dynamic_tree, min_max_model_len, static_tree,
+                                     tree_problems)
 
 from ..buckets import default_batch_buckets
 from ..errors import UserError
@@ -311,7 +312,56 @@ def check_speculation(merged: dict, add: Callable[..., None]) -> tuple[int, str]
     if used and batch is not None and len(used) == len(batch) and max(d for d, _ in used) == 0:
         add(("speculation", "per_batch_bucket"), "no batch bucket speculates (every shape has num_speculative_tokens "
                                                  "0); give at least one bucket a chain or a tree")
+    used += _check_menu(spec.get("menu"), add)
     return max(used, key=lambda u: u[0]) if used else None
+
+
+AUTO_MENU = tuple(chain(k) for k in (1, 2, 3, 4))  # `menu: auto`: the chains vLLM users sweep K over
+
+
+def _check_menu(menu: Any, add: Callable[..., None]) -> list[tuple[int, str]]:
+    """``speculation.menu``'s problems; (depth, key) of each entry with a known depth."""
+    rel = ("speculation", "menu")
+    if menu is None or menu == "auto":
+        return [(max(s.depth for s in AUTO_MENU), "speculation.menu (auto)")] if menu else []
+    if not isinstance(menu, list) or not menu:
+        add(rel, f"must be auto or a non-empty list of shapes (each like a speculation section: "
+                 f"num_speculative_tokens, tree), got {describe_value(menu)}")
+        return []
+    if len(menu) > MAX_MENU:
+        add(rel, f"{len(menu)} shapes, at most {MAX_MENU}; keep the ones worth compiling")
+        return []
+    used, seen = [], {}
+    for i, sec in enumerate(menu):
+        at = rel + (i,)
+        try:
+            RawSpecSection.model_validate(sec)
+        except ValidationError as e:
+            for err in e.errors():
+                add(at + tuple(err["loc"]), pydantic_message(err, RawSpecSection))
+            continue
+        if sec.get("num_speculative_tokens") == 0:
+            add(at + ("num_speculative_tokens",), "must be >= 1: plain decoding is always on the menu; drop this "
+                                                  "entry")
+            continue
+        shape = _section_shape(sec, at, add, top=True)
+        if shape is None:
+            continue
+        if shape.tag in seen:
+            add(at, f"{shape.describe()} is already speculation.menu[{seen[shape.tag]}]; list each shape once")
+        seen.setdefault(shape.tag, i)
+        used.append((shape.depth, _depth_name(sec, f"speculation.menu[{i}]")))
+    return used
+
+
+def _menu(raw: RawSpeculation, shapes: dict[int, SpecShape]) -> dict[int, list[SpecShape]]:
+    """Each speculating batch bucket's menu: the recipe's shapes other than its own."""
+    if raw.menu is None:
+        return {}
+    listed = list(AUTO_MENU) if raw.menu == "auto" else [_raw_shape(RawSpecSection.model_validate(s))
+                                                         for s in raw.menu]
+    return {b: [s for s in listed if s.tag != own.tag] for b, own in shapes.items()
+            if own.speculates and any(s.tag != own.tag for s in listed)}
 
 
 def _raw_shape(sec: RawSpeculation | RawSpecSection) -> SpecShape:
@@ -358,7 +408,9 @@ def _speculation(raw: RawPair, batch: list[int]) -> Speculation:
     per = raw.speculation.per_batch_bucket or {}
     top = _raw_shape(raw.speculation) if any(b not in per for b in batch) else None
     shapes = {b: _raw_shape(per[b]) if b in per else top for b in batch}
-    return Speculation(num_speculative_tokens=max(s.depth for s in shapes.values()), shapes=shapes)
+    menu = _menu(raw.speculation, shapes)
+    return Speculation(num_speculative_tokens=max(s.depth for s in all_shapes(shapes, menu)), shapes=shapes,
+                       menu=menu)
 
 
 def build_pair(raw: RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:

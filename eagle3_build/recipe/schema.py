@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eagle3_runtime.manifest import BACKENDS, MAX_NODES, MODEL_DTYPES, SpecShape
+from eagle3_runtime.manifest import BACKENDS, MAX_NODES, MODEL_DTYPES, SpecShape, all_shapes
 
 from ..buckets import default_batch_buckets, default_prefill_buckets
 from ..errors import UserError
@@ -71,11 +71,12 @@ class SourceSpec(_Frozen):
 
 
 class Speculation(_Frozen):
-    num_speculative_tokens: int  # the deepest shape's depth
+    num_speculative_tokens: int  # the deepest shape's depth (menus too)
     shapes: dict[int, SpecShape]  # per batch bucket (manifest.SpecShape)
+    menu: dict[int, list[SpecShape]] = {}  # per speculating batch bucket: more shapes (manifest.Manifest.menu)
 
     def scratch(self) -> int:
-        return max(s.scratch for s in self.shapes.values())
+        return max(s.scratch for s in all_shapes(self.shapes, self.menu))
 
 
 class _Section(_Frozen):
@@ -168,6 +169,9 @@ class RawSpeculation(Raw):
     num_speculative_tokens: int | None = Field(None, ge=1)  # None: only with tree.choices; <= MAX_DEPTH
     tree: RawTree | None = None
     per_batch_bucket: dict[int, RawSpecSection] | None = None
+    # more shapes for every speculating batch bucket, chosen among on the serving host (--speculation auto):
+    # "auto" (checks.AUTO_MENU) or a list of sections (chains or trees); checked by check_speculation
+    menu: Any = None
 
 
 class RawPair(Raw):

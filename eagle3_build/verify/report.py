@@ -11,6 +11,22 @@ from .prompts import short
 
 
 @dataclass
+class MenuResult:
+    """One menu shape of the first batch bucket (manifest.menu), run over the same prompts: still lossless?"""
+
+    shape: str  # SpecShape.describe()
+    tag: str
+    ok: int  # prompts within the lossless check
+    prompts: int
+    acceptance: SpecStats
+
+    @property
+    def line(self) -> str:
+        return (f"menu {self.shape} [{self.tag}]: {self.ok}/{self.prompts} prompts lossless, mean acceptance length "
+                f"{self.acceptance.mean_acceptance_length:.2f}")
+
+
+@dataclass
 class VerifyReport:
     """What verify found for one bundle: per-prompt results, the acceptance counters, the verdict."""
 
@@ -27,6 +43,7 @@ class VerifyReport:
     diagnosis_error: str | None = None
     seconds: float = 0.0
     speculation: str = ""  # the shape of every batch bucket (SpecShape.describe())
+    menu: list[MenuResult] = field(default_factory=list)
 
     @property
     def too_many_near_ties(self) -> bool:
@@ -38,7 +55,8 @@ class VerifyReport:
 
     @property
     def lossless_ok(self) -> bool:
-        return all(p.ok for p in self.prompts) and not self.too_many_near_ties
+        return all(p.ok for p in self.prompts) and not self.too_many_near_ties and \
+            all(r.ok == r.prompts for r in self.menu)
 
     @property
     def gate_ok(self) -> bool:
@@ -83,6 +101,10 @@ class VerifyReport:
                 msg += "; the bundle's plain (--no-spec) decode differs too, so the target graphs or weights " \
                        "differ from the reference model"
             out.append(msg)
+        for r in self.menu:
+            if r.ok != r.prompts:
+                out.append(f"lossless: {r.shape} (a menu shape, its own verify / draft-step graphs) differs from the "
+                           f"target's greedy output on {r.prompts - r.ok} of {r.prompts} prompts beyond a near-tie")
         if self.too_many_near_ties:
             ties = [p for p in self.prompts if p.near_tie]
             out.append(f"lossless: {len(ties)} of {len(self.prompts)} prompts part from the {self.reference_dtype} "
@@ -122,6 +144,8 @@ class VerifyReport:
             "num_prompts": len(self.prompts), "tokens_compared": self.tokens_compared,
             "spec_decoding": self.acceptance.to_dict(),
             "prompts": [dict(asdict(p), exact=p.exact, ok=p.ok) for p in self.prompts],
+            "menu": [{"shape": r.shape, "tag": r.tag, "ok": r.ok, "prompts": r.prompts,
+                      "spec_decoding": r.acceptance.to_dict()} for r in self.menu],
             "diagnoses": [asdict(d) for d in self.diagnoses], "diagnosis_error": self.diagnosis_error,
             "failures": self.failures(), "seconds": round(self.seconds, 2),
         }
@@ -136,7 +160,7 @@ class VerifyReport:
                  f"lossless: {exact}/{n} prompts token-for-token identical"
                  + (f", {ties} parted at a numerical near-tie (continuation checked teacher-forced)" if ties else "")
                  + f" ({self.tokens_compared} tokens compared) - {'ok' if self.lossless_ok else 'FAILED'}",
-                 self.acceptance.format()]
+                 self.acceptance.format()] + [r.line for r in self.menu]
         if self.min_acceptance_length is None:
             lines.append("gate: none (set verify.min_acceptance_length in the recipe)")
         else:
@@ -191,6 +215,8 @@ def render_report(report: VerifyReport, console) -> None:
         bar = "█" * round(30 * r)
         console.print(f"  position {i}: {100 * r:5.1f}%  {bar}", highlight=False)
     console.print(acc.format(), highlight=False, soft_wrap=True)
+    for r in report.menu:
+        console.print(r.line, highlight=False, soft_wrap=True, markup=False)
     if report.min_acceptance_length is None:
         console.print("gate: none (set verify.min_acceptance_length in the recipe)")
     else:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.engine import Engine, SpecStats
-from eagle3_runtime.manifest import MANIFEST, Manifest
+from eagle3_runtime.manifest import MANIFEST, Manifest, SpecShape
 from eagle3_runtime.reader import read_manifest
 
 from ..files import atomic_write
@@ -21,7 +21,7 @@ from .diagnose import diagnose_draft
 from .errors import VerifyError
 from .prompts import admit_prompts, encode_prompts, select_prompts
 from .reference import Reference, load_reference, reference_greedy, target_location
-from .report import VerifyReport
+from .report import MenuResult, VerifyReport
 
 
 def verify_bundle(
@@ -104,15 +104,32 @@ def verify_bundle(
             r.plain_matches_reference = list(plain.token_ids) == ref.ids
         results.append(r)
 
-    if acc.num_drafts:
+    # the first batch bucket's menu: each shape's own graphs checked the same way, its acceptance recorded
+    menu = []
+    for shape in manifest.shapes(manifest.batch_buckets[0])[1:]:
+        say(f"menu shape {shape.tag}")
+        stats, ok, shape_engine = SpecStats(manifest.num_speculative_tokens), 0, Engine(bundle, speculation=shape.tag)
+        for text, ids, ref in zip(texts, encoded, refs):
+            gen = shape_engine.generate(ids, min(max_tokens, manifest.max_model_len - len(ids)))
+            stats.add(gen.stats)
+            r = compare(text, ids, ref, list(gen.token_ids), tie_dtype)
+            if r.near_tie:
+                check_continuation(model, r, tie_dtype)
+            ok += r.ok
+        menu.append((shape, MenuResult(shape.describe(), shape.tag, ok, len(texts), stats)))
+    for shape, stats in [(manifest.speculation[manifest.batch_buckets[0]], acc)] + [(s, r.acceptance) for s, r in menu]:
+        if not stats.num_drafts:
+            continue
         try:
-            record_acceptance(root, manifest, acc, len(texts))
+            record_acceptance(root, shape, stats, len(texts))
         except OSError as e:  # (a read-only bundle: the runtime then assumes a prior profile)
             say(f"acceptance profile not recorded in the manifest ({e.strerror or e})")
+            break
     report = VerifyReport(bundle=str(root), reference=ref_desc, dtype=manifest.dtype, reference_dtype=ref_dtype,
                           num_speculative_tokens=manifest.num_speculative_tokens, max_tokens=max_tokens,
                           speculation="; ".join(f"batch {b}: {s.describe()}" for b, s in manifest.speculation.items()),
-                          min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc)
+                          min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc,
+                          menu=[r for _, r in menu])
     if diagnose or (diagnose is None and not report.gate_ok):
         say("diagnosing the draft")
         try:
@@ -124,16 +141,14 @@ def verify_bundle(
     return report
 
 
-def record_acceptance(root: Path, manifest: Manifest, acc: SpecStats, prompts: int) -> None:
-    """Write the acceptance profile verify measured (batch 1: the first batch bucket's shape) into the
-    manifest's build record, which the digest leaves out: "acceptance": {shape: {"reach": [P(a round
-    accepts at least d + 1 drafts) per depth], "rounds", "prompts"}}, what eagle3_runtime.adaptive weighs
-    the graph costs measured on the serving host with."""
-    shape = manifest.speculation[manifest.batch_buckets[0]].describe()
+def record_acceptance(root: Path, shape: SpecShape, acc: SpecStats, prompts: int) -> None:
+    """Write the acceptance profile verify measured for `shape` (at the first batch bucket) into the manifest's build record, which the digest leaves out: "acceptance": {shape: {"reach":
+    [P(a round accepts at least d + 1 drafts) per depth], "rounds", "prompts"}}, what eagle3_runtime.adaptive
+    weighs the graph costs measured on the serving host with."""
     path = root / MANIFEST
     raw = json.loads(path.read_text())
-    raw.setdefault("build", {}).setdefault("acceptance", {})[shape] = {
-        "reach": [round(n / acc.num_drafts, 4) for n in acc.accepted_per_position],
+    raw.setdefault("build", {}).setdefault("acceptance", {})[shape.describe()] = {
+        "reach": [round(n / acc.num_drafts, 4) for n in acc.accepted_per_position[:shape.depth]],
         "rounds": acc.num_drafts, "prompts": prompts}
     atomic_write(path, json.dumps(raw, indent=2))
 

@@ -3,7 +3,7 @@
 moves KV rows and tree slots, joins the tensor-parallel world, and warms up (timing every graph's first
 call on this host).
 
-The engine sees only `GraphRunner`: graph(role, bucket), copy_kv_row, compact_kv, warm_up. Tensor
+The engine sees only `GraphRunner`: graph(role, bucket, shape), copy_kv_row, compact_kv, warm_up. Tensor
 parallelism over torchrun wraps a backend in another GraphRunner (tp.py) instead of patching it.
 """
 from __future__ import annotations
@@ -105,8 +105,15 @@ class GraphRunner:
     timings: dict[str, float]  # graph name -> seconds of its first call on this host (warm_up)
     costs: dict[str, float]  # graph name -> seconds per call once warm, decode-loop graphs (warm_up)
 
-    def graph(self, role: str, bucket: int):
-        raise NotImplementedError
+    graphs: dict  # graph name -> what the engine calls
+
+    def graph(self, role: str, bucket: int, shape=None):
+        """The graph of `role` at `bucket` serving speculation shape `shape` (None: the bucket's own)."""
+        try:
+            return self.graphs[self.manifest.graph(role, bucket, shape).name]
+        except KeyError as e:
+            raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}"
+                              + (f" and {shape.describe()}" if shape is not None else "")) from e
 
     def copy_kv_row(self, src: int, dst: int) -> None:
         """Move a sequence's KV-cache row (every cache's "rows" dim) from row `src` to row `dst`."""
@@ -133,7 +140,7 @@ class GraphRunner:
         for g in self.manifest.graphs:
             t0 = time.perf_counter()
             try:
-                call_by_name(self.graph(g.role, g.bucket), inputs[g.name])
+                call_by_name(self.graphs[g.name], inputs[g.name])
             except Eagle3Error:
                 raise
             except Exception as e:
@@ -149,7 +156,7 @@ class GraphRunner:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                call_by_name(self.graph(g.role, g.bucket), inputs[g.name])
+                call_by_name(self.graphs[g.name], inputs[g.name])
                 times.append(time.perf_counter() - t0)
             spent += sum(times)
             self.costs[g.name] = statistics.median(times)
@@ -209,10 +216,4 @@ class RuntimeBackend(GraphRunner):
     def __init__(self, root: Path, m: Manifest, rank: int):
         self.root, self.manifest, self.rank, self.timings, self.costs = Path(root), m, rank, {}, {}
         self.weights: dict[str, torch.Tensor] = {}  # "model/tensor" -> host tensor (where the host holds them)
-        self.graphs: dict[tuple[str, int], Graph] = {}
-
-    def graph(self, role: str, bucket: int) -> Graph:
-        try:
-            return self.graphs[(role, bucket)]
-        except KeyError as e:
-            raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}") from e
+        self.graphs: dict[str, Graph] = {}

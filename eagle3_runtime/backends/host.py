@@ -56,7 +56,7 @@ class HostBackend(RuntimeBackend):
         for g in m.graphs:
             weights = tuple(self.weights[w] for w in g.weights) + tuple(self._packed(p) for p in g.packed)
             fn = self.load_graph(bundle_file(self.root, g.file.path), g, weights)
-            self.graphs[(g.role, g.bucket)] = Graph(g, fn, weights, self.state[g.state], rank_t)
+            self.graphs[g.name] = Graph(g, fn, weights, self.state[g.state], rank_t)
         self.rows, self.positions = m.kv_dim("rows"), m.kv_dim("positions")
         self.target_kv = self.state[m.state_of("target")]
 

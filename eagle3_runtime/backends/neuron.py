@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from ..errors import Eagle3Error
-from ..manifest import GRAPH_FORMATS, MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest, torch_dtype
+from ..manifest import (GRAPH_FORMATS, MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest, all_shapes,
+                        torch_dtype)
 from ..reader import bundle_file
 from .base import BACKEND, BAD_BUNDLE, DEVICE, Check, Graph, RuntimeBackend, TPContext, world_size
 
@@ -108,6 +109,12 @@ class NxDCall:
     compact_pairs: int | None = None  # the kv_compact key's pairs (a tree bundle's target), None: no such key
 
 
+def nxd_key(role: str, shape=None) -> str:
+    """The ModelBuilder key a graph is traced under: its role; a menu shape's own graph (GraphEntry.shape: a
+    per-shape role, another module where topk or width differ) the role and the shape's tag."""
+    return role if shape is None else f"{role}.{shape.tag}"
+
+
 def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
     """Model `name`'s call layout from its graph entries, checked as data: a BundleError names the
     graph, the field and the fix."""
@@ -124,13 +131,14 @@ def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
                 raise _bad_call(where, g.name, f"backend.{field} is {b[field]!r}, not "
                                                f"{'a string' if kind is str else 'an integer'}")
         problem = None
-        n_role = sum(x.role == g.role for x in graphs)
-        if b["key"] != g.role:  # (backend.format: checked by the manifest itself, for every backend)
-            problem = f"backend.key {b['key']!r} is not the graph's role {g.role!r}"
-        elif not 0 <= b["bucket_index"] < n_role:
-            problem = f"backend.bucket_index {b['bucket_index']} is outside 0..{n_role - 1} ({g.role} buckets)"
-        elif (g.role, b["bucket_index"]) in routes:
-            problem = f"backend.bucket_index {b['bucket_index']} is also graph {routes[(g.role, b['bucket_index'])]}'s"
+        key = nxd_key(g.role, g.shape)
+        n_key = sum(nxd_key(x.role, x.shape) == key for x in graphs)
+        if b["key"] != key:  # (backend.format: checked by the manifest itself, for every backend)
+            problem = f"backend.key {b['key']!r} is not the graph's key {key!r} (its role, and a menu shape's tag)"
+        elif not 0 <= b["bucket_index"] < n_key:
+            problem = f"backend.bucket_index {b['bucket_index']} is outside 0..{n_key - 1} ({key} buckets)"
+        elif (key, b["bucket_index"]) in routes:
+            problem = f"backend.bucket_index {b['bucket_index']} is also graph {routes[(key, b['bucket_index'])]}'s"
         elif not len(g.inputs) - 1 <= b["arity"] <= MAX_ARITY:  # (the rank input is a weight on Neuron)
             problem = (f"backend.arity {b['arity']} is outside {len(g.inputs) - 1}..{MAX_ARITY} (the graph takes "
                        f"{len(g.inputs) - 1} inputs besides the rank)")
@@ -144,14 +152,14 @@ def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
             problem = f"file {g.file.path} is not graph {g0.name}'s {g0.file.path} (one NxD model file per model)"
         if problem:
             raise _bad_call(where, g.name, problem)
-        routes[(g.role, b["bucket_index"])] = g.name
+        routes[(key, b["bucket_index"])] = g.name
     return NxDCall(g0.backend["arity"], g0.backend["n_out"], g0.file, _compact_call(m, name, graphs, where))
 
 
 def _compact_call(m: Manifest, name: str, graphs, where: str) -> int | None:
     """The kv_compact pairs every graph entry of model `name` records (one value, or none at all); a tree
     bundle's target must have them, deep enough for its deepest shape."""
-    need = compact_pairs(m.speculation.values()) if name == "target" else None
+    need = compact_pairs(all_shapes(m.speculation, m.menu)) if name == "target" else None
     g0 = graphs[0]
     value = g0.backend.get(COMPACT_FIELD)
     for g in graphs:
@@ -364,7 +372,7 @@ class NeuronBackend(RuntimeBackend):
             raise BundleError(f"{self.root}: {e}") from e
         self.nxd = {name: NxDModel(self.root, m, name, lambda f: bundle_file(self.root, f.path)) for name in m.models}
         on_device = {s.name: torch.zeros(0, dtype=torch_dtype(s.dtype)) for s in m.state}
-        self.graphs = {(g.role, g.bucket): Graph(g, graph_fn(self.nxd[g.model], len(g.outputs)), (),
+        self.graphs = {g.name: Graph(g, graph_fn(self.nxd[g.model], len(g.outputs)), (),
                                                  on_device[g.state], torch.zeros(1, dtype=torch.int64))
                        for g in m.graphs}
 

@@ -20,7 +20,8 @@ from ..base import Backend
 from . import bundle
 from .releases import release_of
 from .model import (INDEX_DTYPE, NAME, SUFFIX, ModelGraphs, _no_checkpoint, compiler_args, flag_value, key_instance,
-                    key_module, neuron_devices, neuronx_cc_command, priority_role, sdk_versions)
+                    key_module, key_role, neuron_devices, neuronx_cc_command, priority_role, sdk_versions,
+                    spec_key)
 
 
 class NeuronBackend(Backend):
@@ -65,13 +66,13 @@ class NeuronBackend(Backend):
         workdir = out_dir / "nxd-workdir"  # new: ModelBuilder.trace() removes its workdir first
         builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
                                compiler_workdir=str(workdir), logical_nc_config=self.lnc)
-        n_inputs = {spec.role: len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
-        shapes = {spec.role: spec.shape for spec, _ in mg.graphs}
+        n_inputs = {spec_key(spec): len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
+        shapes = {spec_key(spec): spec.shape for spec, _ in mg.graphs}
         for key in mg.keys():  # a fresh module per key, built when ModelBuilder loads the key
             make = functools.partial(key_module, mg, key, n_inputs[key], shapes.get(key))
             builder.add(key=key, model_instance=key_instance(BaseModelInstance, make, mg.n_out),
                         example_inputs=mg.examples(key),
-                        compiler_args=shlex.join(self.role_args[key]),
+                        compiler_args=shlex.join(self.role_args[key_role(key)]),
                         priority_model_idx=0 if key == priority_role(mg.name, mg.keys()) else None)
         env = {} if neuron_devices() else {"NEURON_PLATFORM_TARGET_OVERRIDE": self.target}
         saved = {k: os.environ.get(k) for k in env}
@@ -84,9 +85,10 @@ class NeuronBackend(Backend):
         torch.jit.save(traced, str(out_dir / f"{mg.name}{SUFFIX}"))
         info, index = {}, {}
         for spec, _ in mg.graphs:
-            i = index[spec.role] = index.get(spec.role, -1) + 1
-            info[spec.name] = self._keep_neff(workdir, spec.role, i, out_dir / f"{spec.name}.neff") | {
-                "format": NXD_FORMAT, "model_file": f"{mg.name}{SUFFIX}", "key": spec.role, "bucket_index": i,
+            key = spec_key(spec)
+            i = index[key] = index.get(key, -1) + 1
+            info[spec.name] = self._keep_neff(workdir, key, i, out_dir / f"{spec.name}.neff") | {
+                "format": NXD_FORMAT, "model_file": f"{mg.name}{SUFFIX}", "key": key, "bucket_index": i,
                 "arity": mg.arity, "n_out": mg.n_out, "compiler_args": list(self.role_args[spec.role])}
             if mg.compact_pairs:  # the runtime pads kv_compact calls to these pairs (eagle3_runtime/backends/neuron.py)
                 info[spec.name][COMPACT_FIELD] = mg.compact_pairs

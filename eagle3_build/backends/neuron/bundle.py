@@ -20,8 +20,8 @@ from ...models.weights import weight_tensors
 from ...pair import BuildModels, Report, contract_outputs, graph_plan, jsonable, model_entry
 from ...sharding import tensor_plan, write_rank_files
 from ..base import Written
-from .model import (INDEX_DTYPE, RANK_WEIGHT, ModelGraphs, compiler_args, priority_role, rank_weights, shard_file,
-                    weight_dtype, weight_key)
+from .model import (INDEX_DTYPE, RANK_WEIGHT, ModelGraphs, compiler_args, key_role, priority_role, spec_key,
+                    rank_weights, shard_file, weight_dtype, weight_key)
 
 
 @dataclass
@@ -62,10 +62,10 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
             "spmd_model": name, "dtype": pair.dtype, "B": pair.serving.max_num_seqs,
             "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
             "args": jsonable(dataclasses.asdict(ckpt.args)), "layout": layout.to_dict(),
-            "graphs": [[sp.role, sp.bucket, sp.shape.model_dump(), [[n, sh, str(x)] for n, sh, x in ins]]
+            "graphs": [[spec_key(sp), sp.bucket, sp.shape.model_dump(), [[n, sh, str(x)] for n, sh, x in ins]]
                        for sp, ins in graphs],
             "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
-            "backend": {k: backend.key_fields(k) for k in mg.keys()}})
+            "backend": {k: backend.key_fields(key_role(k)) for k in mg.keys()}})
         out[name] = SpmdModel(mg, key, inputs, names)
     return out
 
@@ -96,7 +96,7 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, repo
             if "neff" in gi:
                 gi["neff"] = f"graphs/{gi['neff']}"
             graph_entries.append(GraphEntry(
-                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, file=model_file, weights=qualified,
+                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, shape=sp.variant, file=model_file, weights=qualified,
                 state=state.name, inputs=entries_in[sp.name], outputs=contract_outputs(bm, sp),
                 backend=gi, key=key))
             timings[sp.name] = {"status": status[name], "seconds": round(time.perf_counter() - t_model, 2)}
@@ -175,10 +175,11 @@ def plan_builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]
     for name, sm in spmd_models(bm, backend).items():
         keys = []
         for key in sm.graphs.keys():
-            specs = [sp for sp, _ in sm.graphs.graphs if sp.role == key]
+            specs = [sp for sp, _ in sm.graphs.graphs if spec_key(sp) == key]
             keys.append({"key": key, "buckets": [sp.bucket for sp in specs] or [1],
                          "priority_bucket": 0 if key == priority_role(name, sm.graphs.keys()) else None,
-                         "compiler_args": cc_args.get(key) or compiler_args(bm.lp.pair.backend_options, key),
+                         "compiler_args": cc_args.get(key_role(key)) or compiler_args(bm.lp.pair.backend_options,
+                                                                                       key_role(key)),
                          "neffs": [f"graphs/{sp.name}.neff" for sp in specs] or [f"graphs/{name}_{key}.neff"]})
         status = "unknown" if not sm.key else ("hit" if cache.get(sm.key, check=False) else "miss")
         out.append({"model": name, "artifact": f"graphs/{name}.pt", "tp_degree": tp, "arity": sm.graphs.arity,

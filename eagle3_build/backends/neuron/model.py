@@ -48,7 +48,7 @@ from torch import nn
 
 from eagle3_runtime.manifest import PREFILL_ROLES, ROLES, index_dtype, torch_dtype
 from eagle3_runtime.backends.neuron import (KV_COMPACT, KV_MOVE, PLACEHOLDER_DTYPE, compact_pairs,
-                                   kv_compact_inputs, kv_move_inputs, routing_signature)
+                                            kv_compact_inputs, kv_move_inputs, nxd_key, routing_signature)
 
 from ...errors import UserError
 from ...graphs import ROLE_MODULES, GraphSpec
@@ -180,6 +180,15 @@ STATE_NAME = "kv"
 PRIORITY_ROLES = {"target": ("target_verify", "target_decode"), "draft": ("draft_step", "draft_catchup")}
 
 
+def spec_key(spec) -> str:
+    """The ModelBuilder key a graph spec is traced under (eagle3_runtime.backends.neuron.nxd_key)."""
+    return nxd_key(spec.role, spec.variant)
+
+
+def key_role(key: str) -> str:
+    return key.partition(".")[0]
+
+
 def priority_role(model: str, keys: list[str]) -> str:
     return next(r for r in PRIORITY_ROLES[model] if r in keys)
 
@@ -224,7 +233,7 @@ class ModelGraphs:
         return compact_pairs(spec.shape for spec, _ in self.graphs) if self.name == "target" else None
 
     def keys(self) -> list[str]:
-        return (list(dict.fromkeys(spec.role for spec, _ in self.graphs)) + [KV_MOVE]
+        return (list(dict.fromkeys(spec_key(spec) for spec, _ in self.graphs)) + [KV_MOVE]
                 + ([KV_COMPACT] if self.compact_pairs else []))
 
     def examples(self, key: str) -> list[tuple[torch.Tensor, ...]]:
@@ -235,7 +244,7 @@ class ModelGraphs:
             return [kv_compact_inputs(0, [], [], self.compact_pairs, self.arity)]
         out = []
         for spec, inputs in self.graphs:
-            if spec.role == key:
+            if spec_key(spec) == key:
                 xs = [torch.zeros(shape, dtype=dtype) for _, shape, dtype in inputs]
                 out.append(tuple(xs + [torch.zeros(0, dtype=PLACEHOLDER_DTYPE)] * (self.arity - len(xs))))
         return out
@@ -245,18 +254,19 @@ class ModelGraphs:
         first: refuse that here, naming both graphs."""
         seen: dict[str, str] = {}
         for key in self.keys():
-            topks = {s.shape.topk for s, _ in self.graphs if s.role == key}
+            topks = {s.shape.topk for s, _ in self.graphs if spec_key(s) == key}
             if len(topks) > 1:
                 raise UserError(f"backend neuron: the {key} graphs of the {self.name} need one topk for every batch "
                                 f"bucket (one NxD key traces one module), got {sorted(topks)}; use the same "
                                 "speculation.tree.topk in every speculation.per_batch_bucket entry")
-            names = [s.name for s, _ in self.graphs if s.role == key] or [key]
+            names = [s.name for s, _ in self.graphs if spec_key(s) == key] or [key]
             for name, example in zip(names, self.examples(key)):
                 sig = routing_signature(example)
                 if sig in seen:
                     raise UserError(f"backend neuron: graphs {seen[sig]} and {name} of the {self.name} take inputs of "
                                     f"the same shapes {sig}, and NxD routes a call by input shapes alone; choose "
-                                    "buckets.prefill values other than num_speculative_tokens + 1")
+                                    "buckets.prefill values other than num_speculative_tokens + 1, and speculation "
+                                    "shapes of one batch bucket (speculation.menu) with different node counts")
                 seen[sig] = name
 
 
@@ -357,7 +367,7 @@ KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's 
 
 def key_module(mg: ModelGraphs, key: str, n_role_inputs: int, shape=None) -> NeuronKey:
     """A fresh module for one key: its own DeviceModel (nothing shared with another key's)."""
-    return KEY_CLASSES[mg.arity](key, DeviceModel(mg), n_role_inputs, mg.n_out, shape)
+    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg), n_role_inputs, mg.n_out, shape)
 
 
 def key_instance(base, make_module, n_out: int):
