@@ -131,7 +131,8 @@ def test_demo_recipe():
     (p,) = load_recipe(RECIPE).pairs
     assert p.dtype == "float32" and p.parallel.tp_degree == 1
     assert p.speculation.shapes[1].describe() == "chain K 3"  # served faster than the tree on MT-Bench (recipe)
-    assert p.serving.max_num_seqs == 1 and p.buckets.batch == [1] and p.buckets.prefill == [128, 512]
+    assert [s.tag for s in p.speculation.menu[1]] == ["chain1", "chain2", "chain4"]  # chosen among on the host
+    assert p.serving.max_num_seqs == 1 and p.buckets.batch == [1] and p.buckets.prefill == [64, 128, 256, 512]
     assert p.backend == "aoti"  # native code: the demo answers faster than transformers eager
     assert Path(p.draft.path) == DRAFT_DIR
 
