@@ -33,13 +33,16 @@ class Candidate:
 class Chooser:
     """Picks among `candidates` (one of them NONE) and follows live acceptance. `half_life`: rounds for an
     observation's weight to halve; `margin`: how much faster (fraction) another shape must look before a
-    switch; `probe_every`: steps of plain decoding between two probing rounds of the best speculative shape."""
+    switch; `probe_every`: steps of plain decoding between two probing rounds of the best speculative shape;
+    `preferred`: the shape to start on when it looks within the margin of the best speculative one and faster
+    than plain decoding (the bucket's own: start-up timing noise must not pick among near-equal shapes)."""
 
     candidates: list[Candidate]
     half_life: float = 100.0
     margin: float = 0.05
     probe_every: int = 64
     drift: float = 1.0
+    preferred: str | None = None
     current: str = field(init=False)
     switches: int = field(init=False, default=0)
     _plain_steps: int = field(init=False, default=0)
@@ -58,6 +61,10 @@ class Chooser:
         self._by_name = {c.name: c for c in self.candidates}
         self._alpha = 1.0 - 0.5 ** (1.0 / self.half_life)
         self.current = self.best()
+        p = self.preferred
+        if p in self._by_name and p != self.current and self.current != NONE and self.rate(p) > self.rate(NONE) \
+                and self.rate(p) * (1.0 + self.margin) >= self.rate(self.current):
+            self.current = p
 
     def tokens_per_round(self, name: str) -> float:
         return 1.0 + self.drift * self._by_name[name].expected_accepted
@@ -178,7 +185,8 @@ def bucket_chooser(manifest, seconds: dict[str, float], bucket: int) -> Chooser 
         return None
     secs = round_seconds(manifest, seconds, bucket)
     return Chooser([Candidate(NONE, secs[NONE])] + [
-        Candidate(s.describe(), secs[s.describe()], acceptance_profile(manifest, s)) for s in shapes])
+        Candidate(s.describe(), secs[s.describe()], acceptance_profile(manifest, s)) for s in shapes],
+        preferred=manifest.speculation[bucket].describe())
 
 
 SPECULATION_ENV = "EAGLE3_SPECULATION"

@@ -186,3 +186,19 @@ def test_a_malformed_gemm_record_is_described_or_skipped_never_raises(record):
 
     line = describe_choice(record)
     assert line is None or line.startswith("GEMM per token row count")
+
+
+def test_the_preferred_shape_starts_when_it_is_within_the_margin():
+    """Start-up timing noise must not pick among near-equal shapes: the bucket's own shape starts unless
+    another is more than the margin faster; it never starts where plain decoding is faster."""
+    near = Candidate("chain K 1", round_s=CHAIN3.round_s * (1 + 0.6) / (1 + 0.6 + 0.35 + 0.2) / 1.03, reach=(0.6,))
+    far = Candidate("chain K 1", round_s=near.round_s / 1.1, reach=(0.6,))
+    assert chooser(PLAIN, CHAIN3, near).current == "chain K 1"
+    assert chooser(PLAIN, CHAIN3, near, preferred=CHAIN3.name).current == CHAIN3.name
+    assert chooser(PLAIN, CHAIN3, far, preferred=CHAIN3.name).current == "chain K 1"
+    slow = [Candidate(x.name, round_s=x.round_s * 2.5, reach=x.reach) for x in (CHAIN3, near)]
+    assert chooser(PLAIN, *slow, preferred=CHAIN3.name).current == NONE
+    # within the margin of the best but slower than plain decoding: the best starts, never the slower one
+    best = Candidate("chain K 1", round_s=PLAIN.round_s * 1.6 / 1.02, reach=(0.6,))  # 1.02x plain
+    under = Candidate(CHAIN3.name, round_s=PLAIN.round_s * 2.15 / 0.99, reach=CHAIN3.reach)  # 0.99x plain
+    assert chooser(PLAIN, under, best, preferred=CHAIN3.name).current == "chain K 1"

@@ -23,7 +23,7 @@ from ..signature import Signature
 GraphFn = Callable[..., tuple]
 DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifest.DTYPE_TABLE)
 
-COST_REPEATS, COST_BUDGET_S = 3, 1.5  # warm-up calls per decode-loop graph timed for its cost; their time limit
+COST_REPEATS, COST_BUDGET_S = 3, 1.5  # interleaved passes over the decode-loop graphs timed for their cost; their time limit
 
 # `eagle3-build check` verdicts (compat.py): exit codes for deploy scripts
 OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
@@ -129,10 +129,9 @@ class GraphRunner:
         """Call every graph once on zeros (what NxDI and vLLM do before serving) and record each first
         call's time on this host in `timings`: a graph that cannot run here fails now, as one BundleError
         naming it, instead of in the middle of a request, and the first, slow call of each bucket is paid
-        before the first request. Then the decode loop's graphs (manifest.BATCH_ROLES) run `repeats` more
-        times each, as long as those calls stay within `budget_s`: their median is `costs`, what a step
-        costs on this host (adaptive.py chooses the speculation shape from it; a graph left untimed keeps
-        its first call's time). The KV caches' contents do not matter (a row's positions are written
+        before the first request. Then the decode loop's graphs (manifest.BATCH_ROLES) run in up to `repeats`
+        interleaved passes, one at least and then as many as fit in `budget_s`: their median is `costs`, what a
+        step costs on this host (adaptive.py chooses the speculation shape from it). The KV caches' contents do not matter (a row's positions are written
         before they are read)."""
         self.timings, self.costs = {}, {}
         inputs = {g.name: {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}
@@ -148,18 +147,20 @@ class GraphRunner:
                 raise BundleError(f"{self.root}: graph {g.name} fails on its first call ({type(e).__name__}: "
                                   f"{first}); the bundle does not run on this host — rebuild it") from e
             self.timings[g.name] = time.perf_counter() - t0
+        timed = [g for g in self.manifest.graphs if g.role in BATCH_ROLES]
+        times: dict[str, list[float]] = {g.name: [] for g in timed}
         spent = 0.0
-        for g in sorted((g for g in self.manifest.graphs if g.role in BATCH_ROLES), key=lambda g: g.bucket):
-            if spent + repeats * self.timings[g.name] > budget_s:
-                self.costs[g.name] = self.timings[g.name]
-                continue
-            times = []
-            for _ in range(repeats):
+        for rep in range(repeats):  # interleaved passes: a moment of host noise lands on every shape's graphs alike
+            t_pass = time.perf_counter()
+            for g in timed:
                 t0 = time.perf_counter()
                 call_by_name(self.graphs[g.name], inputs[g.name])
-                times.append(time.perf_counter() - t0)
-            spent += sum(times)
-            self.costs[g.name] = statistics.median(times)
+                times[g.name].append(time.perf_counter() - t0)
+            last = time.perf_counter() - t_pass
+            spent += last
+            if spent + last > budget_s:  # (the first pass always runs: every graph gets a warm time)
+                break
+        self.costs = {name: statistics.median(ts) for name, ts in times.items()}
         return self.timings
 
 
