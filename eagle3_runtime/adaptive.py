@@ -1,9 +1,9 @@
-"""Adaptive speculation: of the speculation shapes a batch bucket can run (its own and its menu's, all
-compiled offline), the one that yields the most tokens per second on this host. Each candidate's cost is measured here (the backend's warm-up times its
-graphs); its acceptance comes from the profile `verify` recorded at build time, scaled by what live rounds
-show (a decaying average). Plain decoding is always a candidate, so by the model the choice is never slower
-than it; a switch needs a margin (hysteresis), and while plain decoding is served a speculative round is
-probed now and then so that a draft which starts accepting again is noticed.
+"""Adaptive speculation: of the speculation shapes a batch bucket can run (its own and its menu's, all compiled
+offline), the one that yields the most tokens per second on this host. Each candidate's cost is measured here
+(the backend's warm-up times its graphs); its acceptance comes from the profile `verify` recorded at build
+time, scaled by what live rounds show (a decaying average). Plain decoding is always a candidate, so by the
+model the choice is never slower than it; a switch needs a margin (hysteresis), and while plain decoding is
+served a speculative round is probed now and then so that a draft which starts accepting again is noticed.
 
     tokens per round  = 1 + drift * sum(reach)      (reach[d] = P(a round accepts at least d + 1 drafts))
     rate              = tokens per round / seconds per round
@@ -160,10 +160,11 @@ def acceptance_profile(manifest, shape) -> tuple[float, ...]:
     conditional acceptance; else the prior."""
     reach = _recorded(manifest, shape.describe())
     if reach is None and shape.kind == "chain":
-        chains = {int(s.split()[-1]): s for s in _recorded_shapes(manifest) if re.fullmatch(r"chain K \d+", s)}
+        chains = [s for b in manifest.batch_buckets for s in manifest.shapes(b)
+                  if s.kind == "chain" and _recorded(manifest, s.describe())]
         if chains:
-            depth = max(chains)
-            reach = (_recorded(manifest, chains[depth]) or [])[:depth] or None
+            deepest = max(chains, key=lambda s: s.depth)
+            reach = _recorded(manifest, deepest.describe())[:deepest.depth]
     if reach is None:
         return tuple(PRIOR_REACH ** (d + 1) for d in range(shape.depth))
     ratio = reach[-1] / reach[-2] if len(reach) > 1 and reach[-2] > 0 else reach[-1]
@@ -171,10 +172,6 @@ def acceptance_profile(manifest, shape) -> tuple[float, ...]:
         reach.append(reach[-1] * ratio)
     return tuple(reach[:shape.depth])
 
-
-def _recorded_shapes(manifest) -> list[str]:
-    acc = manifest.build.get("acceptance") if isinstance(manifest.build, dict) else None
-    return [k for k in acc if isinstance(k, str)] if isinstance(acc, dict) else []
 
 
 def bucket_chooser(manifest, seconds: dict[str, float], bucket: int) -> Chooser | None:

@@ -187,6 +187,7 @@ class Engine:
         self.shapes: dict[int, SpecShape] = {
             b: next((s for s in m.shapes(b) if s.tag == speculation), m.speculation[b]) for b in self.batch_buckets}
         self.catchup_len = {g.bucket: g.input("next_tokens").shape[1] for g in m.graphs if g.role == "draft_catchup"}
+        self._graphs: dict[tuple, tuple] = {}  # (role, bucket, id(shape)) -> (graph, its metrics label): _run
         # --speculation auto: per batch bucket, plain decoding or a shape of its menu, whichever is expected
         # to yield the most tokens per second here (adaptive.py: graph costs timed at warm-up x acceptance)
         self.choosers: dict[int, Chooser] = {}
@@ -405,11 +406,14 @@ class Engine:
         """Call one compiled graph (of speculation shape `shape_`, None: the bucket's own) with its inputs by
         name (manifest.ROLES) -> its outputs by name, timed into the metrics (eagle3_graph_latency_seconds;
         a menu shape's graph under role:tag)."""
-        graph = self.bundle.graph(role, bucket, shape_)
+        key = (role, bucket, id(shape_))  # (the shapes are the manifest's objects: one id each for the engine's life)
+        if key not in self._graphs:
+            graph = self.bundle.graph(role, bucket, shape_)
+            self._graphs[key] = graph, role if graph.entry.shape is None else f"{role}:{graph.entry.shape.tag}"
+        graph, label = self._graphs[key]
         t0 = time.perf_counter()
         out = call_by_name(graph, inputs)
-        variant = graph.entry.shape
-        self.metrics.record_graph(role if variant is None else f"{role}:{variant.tag}", bucket, time.perf_counter() - t0)
+        self.metrics.record_graph(label, bucket, time.perf_counter() - t0)
         return out
 
     def _speculates(self, seq: Sequence) -> bool:

@@ -57,7 +57,8 @@ def dtype_name(dtype) -> str:
 # ------------------------------------------------------------------ speculation shapes
 #
 # Every batch bucket has one speculation shape (what `--speculation always` runs) and may have a menu of
-# more, compiled alongside it (`--speculation auto` serves whichever is fastest on the host). A speculative round drafts a tree rooted at the
+# more, compiled alongside it (`--speculation auto` serves whichever is fastest on the host). A
+# speculative round drafts a tree rooted at the
 # pending token: the root's children are the draft's top-k at the pending position; each of
 # `depth - 1` draft steps expands `width` frontier nodes by their top-k children; `num_nodes` nodes
 # (the root included) are verified in one target pass. Dynamic trees (SGLang's --speculative-eagle-topk /
@@ -576,8 +577,8 @@ class Manifest(_Strict):
         for b, shapes in self.menu.items():
             own = self.speculation.get(b)
             if own is None or not own.speculates:
-                raise ValueError(f"menu: batch bucket {b} {'is not one of the batch buckets' if own is None else 'does not speculate'}; "
-                                 "a menu extends a speculating bucket's shape")
+                why = "is not one of the batch buckets" if own is None else "does not speculate"
+                raise ValueError(f"menu: batch bucket {b} {why}; a menu extends a speculating bucket's shape")
             tags = [s.tag for s in [own, *shapes]]
             if any(not s.speculates for s in shapes) or len(set(tags)) != len(tags):
                 raise ValueError(f"menu of batch bucket {b}: {tags[1:]} must be speculating shapes, each once and "
@@ -598,7 +599,8 @@ class Manifest(_Strict):
         have = {(g.role, g.bucket, g.shape.tag if g.shape else None) for g in self.graphs}
         if len(have) != len(self.graphs):
             raise ValueError("graphs: more than one graph for the same role, bucket and shape")
-        need = {(r, b, v.tag if v else None) for r, b, v in plan_roles(self.prefill_buckets, self.speculation, self.menu)}
+        need = {(r, b, v.tag if v else None)
+                for r, b, v in plan_roles(self.prefill_buckets, self.speculation, self.menu)}
         missing = [f"{r}/{b}" + (f"/{v}" if v else "") for r, b, v in sorted(need - have, key=str)]
         if missing:
             raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles)")

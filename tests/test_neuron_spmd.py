@@ -436,7 +436,8 @@ def test_every_key_owns_its_module_because_single_bucket_keys_drop_their_weights
 
 
 def test_a_menu_of_shapes_is_one_nxd_key_per_shape_and_each_decodes_like_transformers(standin_sdk, tmp_path):
-    """A chain K 3 bundle with a menu (chain 1, a tree of depth 2, 5 nodes): each menu shape's verify / draft-step graphs
+    """A chain K 3 bundle with a menu (chain 1, a tree of depth 2, 5 nodes): each menu shape's verify / draft-step
+    graphs
     are their own ModelBuilder keys (a key traces one module: another topk or width is another module), the
     tree in the menu brings the target's kv_compact key, and every shape decodes as transformers' greedy."""
     from eagle3_build.build import build_bundle
@@ -452,7 +453,8 @@ def test_a_menu_of_shapes_is_one_nxd_key_per_shape_and_each_decodes_like_transfo
     out = tmp_path / "bundle"
     m = build_bundle(pair, out, cache=CompileCache(tmp_path / "cache"))
     target, draft = StandInModelBuilder.instances
-    assert {"target_verify", "target_verify.chain1", "target_verify.tree2x2x5", "kv_compact"} <= set(target.model_collection)
+    keys = set(target.model_collection)
+    assert {"target_verify", "target_verify.chain1", "target_verify.tree2x2x5", "kv_compact"} <= keys
     assert {"draft_step", "draft_step.tree2x2x5"} <= set(draft.model_collection)
     assert len(target.model_collection["target_verify.chain1"]["examples"]) == 2  # batch buckets 1 and 2
     assert m.graph("target_verify", 2, menu[1]).backend["key"] == "target_verify.tree2x2x5"

@@ -117,14 +117,11 @@ def verify_bundle(
                 check_continuation(model, r, tie_dtype)
             ok += r.ok
         menu.append((shape, MenuResult(shape.describe(), shape.tag, ok, len(texts), stats)))
-    for shape, stats in [(manifest.speculation[manifest.batch_buckets[0]], acc)] + [(s, r.acceptance) for s, r in menu]:
-        if not stats.num_drafts:
-            continue
-        try:
-            record_acceptance(root, shape, stats, len(texts))
-        except OSError as e:  # (a read-only bundle: the runtime then assumes a prior profile)
-            say(f"acceptance profile not recorded in the manifest ({e.strerror or e})")
-            break
+    profiles = [(manifest.speculation[manifest.batch_buckets[0]], acc)] + [(s, r.acceptance) for s, r in menu]
+    try:
+        record_acceptance(root, [(s, st) for s, st in profiles if st.num_drafts], len(texts))
+    except OSError as e:  # (a read-only bundle: the runtime then assumes a prior profile)
+        say(f"acceptance profile not recorded in the manifest ({e.strerror or e})")
     report = VerifyReport(bundle=str(root), reference=ref_desc, dtype=manifest.dtype, reference_dtype=ref_dtype,
                           num_speculative_tokens=manifest.num_speculative_tokens, max_tokens=max_tokens,
                           speculation="; ".join(f"batch {b}: {s.describe()}" for b, s in manifest.speculation.items()),
@@ -141,15 +138,20 @@ def verify_bundle(
     return report
 
 
-def record_acceptance(root: Path, shape: SpecShape, acc: SpecStats, prompts: int) -> None:
-    """Write the acceptance profile verify measured for `shape` (at the first batch bucket) into the manifest's build record, which the digest leaves out: "acceptance": {shape: {"reach":
-    [P(a round accepts at least d + 1 drafts) per depth], "rounds", "prompts"}}, what eagle3_runtime.adaptive
-    weighs the graph costs measured on the serving host with."""
+def record_acceptance(root: Path, profiles: list[tuple[SpecShape, SpecStats]], prompts: int) -> None:
+    """Write the acceptance profiles verify measured (each shape at the first batch bucket) into the manifest's
+    build record, which the digest leaves out: "acceptance": {shape: {"reach": [P(a round accepts at least
+    d + 1 drafts) per depth], "rounds", "prompts"}}, what eagle3_runtime.adaptive weighs the graph costs
+    measured on the serving host with."""
+    if not profiles:
+        return
     path = root / MANIFEST
     raw = json.loads(path.read_text())
-    raw.setdefault("build", {}).setdefault("acceptance", {})[shape.describe()] = {
-        "reach": [round(n / acc.num_drafts, 4) for n in acc.accepted_per_position[:shape.depth]],
-        "rounds": acc.num_drafts, "prompts": prompts}
+    recorded = raw.setdefault("build", {}).setdefault("acceptance", {})
+    for shape, acc in profiles:
+        recorded[shape.describe()] = {
+            "reach": [round(n / acc.num_drafts, 4) for n in acc.accepted_per_position[:shape.depth]],
+            "rounds": acc.num_drafts, "prompts": prompts}
     atomic_write(path, json.dumps(raw, indent=2))
 
 

@@ -23,7 +23,7 @@ from ..signature import Signature
 GraphFn = Callable[..., tuple]
 DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifest.DTYPE_TABLE)
 
-COST_REPEATS, COST_BUDGET_S = 3, 1.5  # interleaved passes over the decode-loop graphs timed for their cost; their time limit
+COST_REPEATS, COST_BUDGET_S = 3, 1.5  # passes over the decode-loop graphs timed for their cost; their time limit
 
 # `eagle3-build check` verdicts (compat.py): exit codes for deploy scripts
 OK, BAD_BUNDLE, SCHEMA, BACKEND, DEVICE = 0, 2, 3, 4, 5
@@ -131,7 +131,8 @@ class GraphRunner:
         naming it, instead of in the middle of a request, and the first, slow call of each bucket is paid
         before the first request. Then the decode loop's graphs (manifest.BATCH_ROLES) run in up to `repeats`
         interleaved passes, one at least and then as many as fit in `budget_s`: their median is `costs`, what a
-        step costs on this host (adaptive.py chooses the speculation shape from it). The KV caches' contents do not matter (a row's positions are written
+        step costs on this host (adaptive.py chooses the speculation shape from it). The KV caches' contents do
+        not matter (a row's positions are written
         before they are read)."""
         self.timings, self.costs = {}, {}
         inputs = {g.name: {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}

@@ -96,7 +96,8 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, repo
             if "neff" in gi:
                 gi["neff"] = f"graphs/{gi['neff']}"
             graph_entries.append(GraphEntry(
-                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, shape=sp.variant, file=model_file, weights=qualified,
+                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, shape=sp.variant, file=model_file,
+                weights=qualified,
                 state=state.name, inputs=entries_in[sp.name], outputs=contract_outputs(bm, sp),
                 backend=gi, key=key))
             timings[sp.name] = {"status": status[name], "seconds": round(time.perf_counter() - t_model, 2)}
