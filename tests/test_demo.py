@@ -50,7 +50,7 @@ def test_committed_draft_loads_and_pairs_with_smollm2():
     files = sorted(p.name for p in DRAFT_DIR.iterdir())
     assert files == ["config.json", "model.safetensors"]
     size = sum(p.stat().st_size for p in DRAFT_DIR.iterdir())
-    assert size <= 25e6, f"draft is {size / 1e6:.1f} MB"
+    assert size <= 32e6, f"draft is {size / 1e6:.1f} MB"  # (bf16; a 16,384-row lm_head is 18.9 MB of it)
     t = _fake_target()
     d = _draft(t)
     check_pair(t, d)  # shapes, fc width, d2t/t2d agreement, aux ids in range
@@ -61,9 +61,11 @@ def test_committed_draft_loads_and_pairs_with_smollm2():
     assert a.rope["rope_theta"] == 100000.0
     assert {d.tensors.get(n).dtype for n in d.tensors.names() if n not in ("d2t", "t2d")} == {torch.bfloat16}
     cfg = json.loads((DRAFT_DIR / "config.json").read_text())
-    info = cfg["eagle3_build_training"]  # documented: data size, steps, wall time, held-out acceptance
-    assert info["steps"] > 0 and info["train_s"] > 0 and info["data"]["train_response_tokens"] > 0
-    assert info["heldout_eval"]["K3"]["acceptance_length"] > 1.0
+    info = cfg["eagle3_build_training"]  # documented (training/README.md): data, steps, wall time, acceptance
+    assert info["training"]["steps"] > 0 and info["training"]["train_s"] > 0
+    assert info["answers"]["train_answer_tokens"] > 0 and info["prompts"]["n"] > 0
+    assert info["vocab"]["chosen"] == a.draft_vocab_size
+    assert info["eval"]["mtbench"]["after"]["K3"] > info["eval"]["mtbench"]["before"]["K3"] > 1.0
 
 
 def test_committed_draft_refuses_another_target():
