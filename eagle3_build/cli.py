@@ -627,6 +627,8 @@ def verify_cmd(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
                                         help="wrap each prompt in the bundle's chat template (default: the recipe's verify.chat)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+    stamp_draft: bool = typer.Option(False, "--stamp-draft", help="record this target's fingerprint and the "
+                                     "acceptance measured with it in the draft's config.json, for later drift checks"),
 ):
     """Check a bundle: lossless against transformers greedy, acceptance, and the acceptance-length gate.
 
@@ -640,7 +642,7 @@ def verify_cmd(
     try:
         report = verify_bundle(bundle, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
                                min_acceptance_length=min_acceptance_length, target_source=target,
-                               reference_dtype=reference_dtype, chat=chat,
+                               reference_dtype=reference_dtype, chat=chat, stamp_draft=stamp_draft,
                                progress=None if as_json else lambda m: console.print(f"verify: {m}", style="dim"))
     except UserError as e:
         fail(str(e))

@@ -401,3 +401,39 @@ def test_compile_runs_verify_unless_told_not_to(pairs, tmp_path):
     assert "verify failed" in r.stderr and "fc" in r.stderr
     r = cli_inproc("eagle3-build", "compile", str(bad), "--out", str(tmp_path / "bad"), "--no-verify")
     assert r.returncode == 0
+
+
+def test_drift_names_the_changed_layer_and_the_acceptance_drop(pairs, tmp_path):
+    """A draft stamped with its target (`verify --stamp-draft`); a bundle of the same draft on a target with one
+    layer perturbed (a fine-tune) is reported with that layer and the acceptance drop; the same target is not."""
+    from eagle3_build.build import build_bundle
+    from eagle3_build.recipe import load_recipe
+    from eagle3_build.verify import verify_bundle
+    from eagle3_build.verify.drift import STAMP
+
+    intact = pairs.bundle("intact")
+    draft = pairs.root / "intact" / "draft"
+    stamped = verify_bundle(intact, stamp_draft=True)
+    assert stamped.passed and stamped.drift.startswith("drift: stamped")
+    rec = json.loads((draft / "config.json").read_text())[STAMP]
+    assert "layers.1" in rec["fingerprint"] and rec["settings"] == {"prompts": 8, "max_tokens": 32, "chat": False}
+    (tag, was), = rec["acceptance"].items()
+    assert was == pytest.approx(stamped.acceptance.mean_acceptance_length, abs=1e-4)
+
+    same = verify_bundle(intact)
+    assert same.drift.startswith("drift: none") and "(chain3, +0%)" in same.drift, same.drift
+    assert same.drift in same.format() and same.to_dict()["drift"] == same.drift
+
+    tuned = tmp_path / "tuned-target"
+    shutil.copytree(pairs.target, tuned)
+    sd = load_file(tuned / "model.safetensors")
+    (key,) = [k for k in sd if k.endswith("layers.1.mlp.down_proj.weight")]
+    sd[key] = sd[key] + 2 * sd[key].std() * torch.randn(sd[key].shape, generator=torch.Generator().manual_seed(3))
+    save_file(sd, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(name="tiny-tuned", target=tuned, draft=draft, gate=GATE, n=8))
+    build_bundle(load_recipe(recipe).pairs[0], tmp_path / "bundle")
+    r = verify_bundle(tmp_path / "bundle")
+    assert r.drift.startswith("drift: DIFFERENT target: 1 of ") and "(layers.1)" in r.drift, r.drift
+    now = r.acceptance.mean_acceptance_length
+    assert now < was and f"acceptance length {now:.2f} vs {was:.2f}" in r.drift, r.drift

@@ -44,6 +44,7 @@ class VerifyReport:
     seconds: float = 0.0
     speculation: str = ""  # the shape of every batch bucket (SpecShape.describe())
     menu: list[MenuResult] = field(default_factory=list)
+    drift: str | None = None  # the target against the one the draft was trained with (drift.py)
 
     @property
     def too_many_near_ties(self) -> bool:
@@ -147,6 +148,7 @@ class VerifyReport:
             "menu": [{"shape": r.shape, "tag": r.tag, "ok": r.ok, "prompts": r.prompts,
                       "spec_decoding": r.acceptance.to_dict()} for r in self.menu],
             "diagnoses": [asdict(d) for d in self.diagnoses], "diagnosis_error": self.diagnosis_error,
+            "drift": self.drift,
             "failures": self.failures(), "seconds": round(self.seconds, 2),
         }
 
@@ -166,7 +168,7 @@ class VerifyReport:
         else:
             lines.append(f"gate: mean acceptance length {self.acceptance.mean_acceptance_length:.2f}, needs >= "
                          f"{self.min_acceptance_length:g} - {'ok' if self.gate_ok else 'FAILED'}")
-        lines += self.failures()
+        lines += self.failures() + ([self.drift] if self.drift else [])
         lines.append(f"verify: {'PASSED' if self.passed else 'FAILED'} ({self.seconds:.1f}s)")
         return "\n".join(lines)
 
@@ -225,6 +227,8 @@ def render_report(report: VerifyReport, console) -> None:
                       f"{report.min_acceptance_length:g}: {ok}")
     for f in report.failures():
         console.print(f"[red]✗[/] {f}", highlight=False, soft_wrap=True)
+    if report.drift:
+        console.print(report.drift, highlight=False, soft_wrap=True, markup=False)
     if report.passed and report.diagnoses:
         for d in report.diagnoses:
             console.print(f"note: {d.message}", highlight=False, soft_wrap=True)

@@ -16,6 +16,7 @@ from eagle3_runtime.reader import read_manifest
 
 from ..files import atomic_write
 from ..recipe import VerifySettings
+from . import drift
 from .compare import NEAR_TIE_REL, PromptResult, check_continuation, coarser, compare
 from .diagnose import diagnose_draft
 from .errors import VerifyError
@@ -37,6 +38,7 @@ def verify_bundle(
     diagnose: bool | None = None,
     progress: Callable[[str], None] | None = None,
     just_built: bool = False,
+    stamp_draft: bool = False,
 ) -> VerifyReport:
     """Verify a bundle (see the package docstring). ``None`` settings come from the recipe's ``verify``
     section recorded in the manifest (``VerifySettings``: its defaults where the recipe gave none);
@@ -44,7 +46,9 @@ def verify_bundle(
     ``num_prompts`` are used. ``chat`` (None: the recipe's ``verify.chat``) wraps each prompt as one
     user message in the bundle's chat template. ``diagnose``: None runs the diagnosis when the gate fails, True always, False never.
     ``progress(msg)`` gets one line per stage. ``just_built``: this process wrote the bundle a moment
-    ago (compile), so its files are not hashed again. Raises ``VerifyError`` for bad input."""
+    ago (compile), so its files are not hashed again. ``stamp_draft``: record this target and the acceptance
+    measured with it in the draft's config.json (drift.py); without it, a draft stamped earlier is compared
+    with this target (``report.drift``). Raises ``VerifyError`` for bad input."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     root = Path(bundle_dir)
@@ -127,6 +131,8 @@ def verify_bundle(
                           speculation="; ".join(f"batch {b}: {s.describe()}" for b, s in manifest.speculation.items()),
                           min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc,
                           menu=[r for _, r in menu])
+    report.drift = check_drift(manifest, model, ref_desc, profiles, drift.settings_of(len(texts), max_tokens, chat),
+                               stamp_draft and report.lossless_ok)
     if diagnose or (diagnose is None and not report.gate_ok):
         say("diagnosing the draft")
         try:
@@ -136,6 +142,26 @@ def verify_bundle(
             report.diagnosis_error = f"{type(e).__name__}: {e}"
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def check_drift(manifest: Manifest, model, reference: str, profiles: list[tuple[SpecShape, SpecStats]],
+                settings: dict, stamp: bool) -> str | None:
+    """Stamp the draft with this target (`stamp`), else compare it with the stamp the draft carries."""
+    path = drift.draft_config(manifest)
+    if path is None:
+        if stamp:
+            raise VerifyError("--stamp-draft: the draft the bundle was built from is not on this machine "
+                              f"({(manifest.recipe.get('draft') or {}).get('path')})")
+        return None
+    recorded = json.loads(path.read_text()).get(drift.STAMP)
+    if not stamp and not recorded:
+        return None
+    fp = drift.fingerprint(model.state_dict().items())
+    acceptance = {s.tag: round(st.mean_acceptance_length, 4) for s, st in profiles if st.num_drafts}
+    if stamp:
+        drift.stamp_draft(path, fp, reference, acceptance, settings)
+        return f"drift: stamped {path} with this target ({len(fp)} layer groups) and its acceptance {acceptance}"
+    return drift.drift_line(recorded, fp, acceptance, settings)
 
 
 def record_acceptance(root: Path, profiles: list[tuple[SpecShape, SpecStats]], prompts: int) -> None:
