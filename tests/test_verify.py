@@ -298,7 +298,8 @@ def test_cli_verify(pairs, monkeypatch):
     assert ok.exit_code == 0, ok.output
     assert calls[-1] | {"progress": None} == {
         "prompts": Path("p.txt"), "num_prompts": 2, "max_tokens": 16, "min_acceptance_length": 1.1,
-        "target_source": None, "reference_dtype": "float32", "chat": None, "progress": None}  # None: verify.chat
+        "target_source": None, "reference_dtype": "float32", "chat": None, "stamp_draft": False,
+        "progress": None}  # None: verify.chat
     for s in ("Mean acceptance length", "Per-position acceptance rate", "position 0", "identical", "gate",
               "PASSED"):
         assert s in ok.output, ok.output
