@@ -6,6 +6,7 @@ command checks before it starts serving, instead of serving after a Ctrl-C that 
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 
@@ -27,9 +28,9 @@ def _main(module: str) -> int:
         signal.signal(signal.SIGINT, _on_sigint)
     try:
         return importlib.import_module(module).main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # (escaped the command: during its imports, before it could clean up anything)
+        print("interrupted", file=sys.stderr, flush=True)
+        os._exit(130)  # an import stopped half-way (torch's native init) can abort in interpreter shutdown
 
 
 def run() -> None:

@@ -507,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         _stop(server, ctx)
+        _leave_if_busy(torch_thread, 130)
         return 130
     try:
         code = serve(server, sock, args.timeout_keep_alive)
@@ -537,6 +538,18 @@ def serve(server: Server, sock: socket.socket, timeout_keep_alive: float = 5.0) 
     finally:
         server.stop()
     return server.exit_code
+
+
+def _leave_if_busy(torch_thread: TorchThread, code: int) -> None:
+    """After a Ctrl-C during start-up the engine thread may still be in native code (loading the bundle's
+    graphs); finalizing the interpreter under it can abort the process ("terminate called without an active
+    exception", exit -6). Give it 2 s to finish, else leave at once with `code`."""
+    torch_thread.close()
+    torch_thread.thread.join(timeout=2.0)
+    if torch_thread.thread.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _stop(server: Server | None, ctx) -> None:
