@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             print(f"{name} pass {rep + 1}: {summary(passes[name][-1:])['tok_s'] if passes[name] else 'failed'} tok/s",
                   file=sys.stderr, flush=True)
-    ref = passes["eagle3 none"][0]["requests"] if passes["eagle3 none"] else None
+    ref = passes["eagle3 none"][0]["requests"] if passes.get("eagle3 none") else None  # (when served)
     contenders = {}
     for name, ps in passes.items():
         if not ps:
