@@ -48,7 +48,9 @@ def _training_module():
 
 def test_committed_draft_loads_and_pairs_with_smollm2():
     files = sorted(p.name for p in DRAFT_DIR.iterdir())
-    assert files == ["config.json", "model.safetensors"]
+    assert files == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
+    assert max((DRAFT_DIR / f).stat().st_size for f in files) < 25e6  # the repository's limit per tracked file
     size = sum(p.stat().st_size for p in DRAFT_DIR.iterdir())
     assert size <= 32e6, f"draft is {size / 1e6:.1f} MB"  # (bf16; a 16,384-row lm_head is 18.9 MB of it)
     t = _fake_target()

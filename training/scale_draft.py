@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "training"))
 
 from eval_sets import eval_prompts, norm_text, read_questions  # noqa: E402
-from train_eagle3_draft import (AUX_LAYER_IDS, EOS_ID, MAGPIE, TrainDraft, _draft_from_saved,  # noqa: E402
+from train_eagle3_draft import (AUX_LAYER_IDS, EOS_ID, MAGPIE, TrainDraft, _draft_from_saved, load_weights,  # noqa: E402
                                 batches, make_prompts, save_speculators)
 
 CHUNK = 2048  # prompts per answers file
@@ -299,12 +299,10 @@ def acceptance(draft, model, seqs, d2t: torch.Tensor, ttt: int, device: str) -> 
 
 def init_draft(args, cfg_t, model, ids: torch.Tensor) -> tuple[TrainDraft, TrainDraft, torch.Tensor]:
     """From --init-from (rows of the new vocab it shares copied, the rest from the target's tied embedding)."""
-    from safetensors.torch import load_file
-
     embed = model.model.embed_tokens.weight.detach().float().cpu()
     theta = float(model.config.rope_parameters["rope_theta"]) if getattr(model.config, "rope_parameters", None) \
         else float(getattr(model.config, "rope_theta", 10000.0))
-    sd = load_file(str(Path(args.init_from) / "model.safetensors"))
+    sd = load_weights(Path(args.init_from))
     cfg = json.loads((Path(args.init_from) / "config.json").read_text())
     old = _draft_from_saved(sd, cfg_t, embed, theta, cfg)
     old_ids = torch.arange(sd["d2t"].numel()) + sd["d2t"]

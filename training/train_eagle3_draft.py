@@ -38,7 +38,7 @@ What it does (every step seeded; see training/README.md for the numbers of the c
 6. Eval on the held-out set: for every response position, the number of leading draft steps that
    match the target's greedy continuation (K = 1..TTT) -> per-position acceptance and acceptance
    length, the quantities `eagle3-run --json` reports.
-7. Save demo/smollm2-135m-eagle3/{config.json, model.safetensors} in the speculators format read by
+7. Save demo/smollm2-135m-eagle3/{config.json, model-*.safetensors + index} in the speculators format read by
    eagle3_build/checkpoints.py (layers.0.*, fc, norm, lm_head, d2t, t2d; bf16 weights; no embed_tokens).
 """
 from __future__ import annotations
@@ -571,8 +571,6 @@ def evaluate(draft, data: dict, t2d_index, d2t, ttt: int, autocast: bool, max_to
 # ----------------------------------------------------------------------------- save (speculators format)
 
 def save_speculators(draft: TrainDraft, d2t, t2d, cfg_t: dict, out: Path, training_info: dict) -> None:
-    from safetensors.torch import save_file
-
     bf = torch.bfloat16
     sd = {"fc.weight": draft.fc.weight, "norm.weight": draft.norm.weight, "lm_head.weight": draft.lm_head.weight}
     for k, n in enumerate(draft.fc_norm or []):
@@ -612,9 +610,30 @@ def save_speculators(draft: TrainDraft, d2t, t2d, cfg_t: dict, out: Path, traini
         "torch_dtype": "bfloat16",
         "eagle3_build_training": training_info,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(sd, out)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors")
+
+
+def save_weights(sd: dict, out: Path) -> None:
+    """Shards of at most 20 MB (the repository keeps tracked files under 25 MB) + the HF index; vLLM reads both."""
+    from huggingface_hub import save_torch_state_dict
+    out.mkdir(parents=True, exist_ok=True)
+    for pattern in WEIGHT_FILES:  # this writer's own earlier output only
+        for old in out.glob(pattern):
+            old.unlink()
+    save_torch_state_dict(sd, out, max_shard_size="20MB", metadata={"format": "pt"})
+
+
+def load_weights(directory: Path) -> dict:
+    """The draft tensors written by save_weights (one file or shards)."""
+    from safetensors.torch import load_file
+    files = sorted(Path(directory).glob("model*.safetensors"))
+    if not files:
+        raise SystemExit(f"{directory}: no model*.safetensors; give a draft directory written by this script")
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
 # ----------------------------------------------------------------------------- main
@@ -710,8 +729,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
 
     if args.eval_only:
-        from safetensors.torch import load_file
-        sd = load_file(str(out / "model.safetensors"))
+        sd = load_weights(out)
         d2t, t2d = sd["d2t"], sd["t2d"]
         draft = _draft_from_saved(sd, cfg_t, embed, rope_theta, json.loads((out / "config.json").read_text()))
         t2d_index = torch.full((V,), -100, dtype=torch.long)
@@ -721,8 +739,7 @@ def main(argv=None) -> int:
         return 0
 
     if args.init_from:
-        from safetensors.torch import load_file
-        init = load_file(str(Path(args.init_from) / "model.safetensors"))
+        init = load_weights(Path(args.init_from))
         d2t, t2d = init["d2t"], init["t2d"]
         args.draft_vocab = int(d2t.numel())
         resp = torch.cat([x["tokens"][x["P"]:] for x in train["seqs"]])
