@@ -33,7 +33,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import shutil
 import signal
@@ -50,6 +49,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     sys.exit("bench_serve.py needs httpx: pip install httpx")
 
+from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta  # noqa: E402,F401 (vs_vllm)
+
 WORDS = (
     "the of and to in is was for that with on as by at from his her it an are were which this be or "
     "had not have one their all but new more when who will about time would there after year other "
@@ -64,8 +65,6 @@ WORDS = (
     "good bad old young high low big little strong quick slow warm cold bright dark clear simple common"
 ).split()
 
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
-METRIC_PREFIXES = ("eagle3_spec_decode_", "vllm:spec_decode_")
 
 
 # ----------------------------------------------------------------------------------------------- prompts
@@ -199,56 +198,6 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: i
 
 # ---------------------------------------------------------------------------------------------- metrics
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> dict[tuple[str, tuple], float]:
-    out: dict[tuple[str, tuple], float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels = m.group(1), tuple(sorted(_LABEL.findall(m.group(3) or "")))
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
-        out[(name, labels)] = out.get((name, labels), 0.0) + value
-    return out
-
-
-def spec_counters(samples: dict[tuple[str, tuple], float]) -> dict | None:
-    """{num_drafts, num_draft_tokens, num_accepted_tokens: float, per_pos: {pos: float}} summed over
-    every other label (e.g. model_name), or None when the server exposes none of them."""
-    for prefix in METRIC_PREFIXES:
-        got: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
-        found = False
-        for (name, labels), v in samples.items():
-            if not name.startswith(prefix) or name.endswith("_created"):
-                continue
-            base = name[len(prefix):]
-            if base.endswith("_total"):
-                base = base[: -len("_total")]
-            if base not in SPEC_COUNTERS:
-                continue
-            found = True
-            if base == "num_accepted_tokens_per_pos":
-                pos = dict(labels).get("position")
-                if pos is None:
-                    continue
-                got["per_pos"][int(pos)] = got["per_pos"].get(int(pos), 0.0) + v
-            else:
-                got[base] += v
-        if found:
-            got["metric_prefix"] = prefix
-            return got
-    return None
-
-
 async def scrape_spec(client: httpx.AsyncClient, base_url: str) -> tuple[dict | None, str]:
     try:
         r = await client.get(base_url + "/metrics", timeout=30)
@@ -258,30 +207,6 @@ async def scrape_spec(client: httpx.AsyncClient, base_url: str) -> tuple[dict | 
         return None, f"GET /metrics returned HTTP {r.status_code}"
     c = spec_counters(parse_prometheus(r.text))
     return c, "" if c is not None else "no spec_decode counters in /metrics"
-
-
-def spec_delta(before: dict | None, after: dict | None) -> dict | None:
-    """The speculative-decoding block of one run: the difference of the server's counters, with the
-    runtime's own acceptance formulas (eagle3_runtime.metrics.SpecStats)."""
-    from eagle3_runtime.metrics import SpecStats
-
-    if before is None or after is None:
-        return None
-    positions = sorted(set(before["per_pos"]) | set(after["per_pos"]))
-    stats = SpecStats(len(positions), *(int(round(after[k] - before[k])) for k in
-                                        ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
-                      [int(round(after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0))) for p in positions])
-    drafted = stats.num_drafts > 0
-    return {
-        "metric_prefix": after.get("metric_prefix"),
-        "num_drafts": stats.num_drafts,
-        "num_draft_tokens": stats.num_draft_tokens,
-        "num_accepted_tokens": stats.num_accepted_tokens,
-        "accepted_per_pos": {str(p): n for p, n in zip(positions, stats.accepted_per_position)},
-        "acceptance_rate": 100 * stats.acceptance_rate if stats.num_draft_tokens > 0 else None,
-        "acceptance_length": stats.mean_acceptance_length if drafted else None,
-        "per_position_acceptance": {str(p): 100 * r for p, r in zip(positions, stats.per_position)} if drafted else {},
-    }
 
 
 # ---------------------------------------------------------------------------------------------- one run

@@ -97,6 +97,7 @@ def _finish_bundle(bm: BuildModels, root: Path, backend, report: Report, written
         menu=pair.speculation.menu,
         max_num_seqs=pair.serving.max_num_seqs, max_model_len=pair.serving.max_model_len,
         prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch),
+        context_buckets=list(pair.buckets.context),
         aux_layer_ids=list(d.args.aux_layer_ids), vocab_size=t.args.vocab_size, eos_token_ids=t.eos_token_ids,
         bos_token_id=t.bos_token_id, draft_format=d.format, recipe=pair.model_dump(mode="json"),
         sources={"target": t.source.record(), "draft": d.source.record()},

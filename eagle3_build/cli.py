@@ -412,7 +412,8 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
     out_console.print(f"backend {m.backend}, dtype {m.dtype}, TP {m.tp_degree}, K {m.num_speculative_tokens}, "
                       f"max_num_seqs {m.max_num_seqs}, max_model_len {m.max_model_len}")
     out_console.print(f"prefill buckets {m.prefill_buckets}, batch buckets {m.batch_buckets}, "
-                      f"aux layers {m.aux_layer_ids}, draft format {m.draft_format}")
+                      + (f"context buckets {m.context_buckets} (+ the whole cache), " if m.context_buckets else "")
+                      + f"aux layers {m.aux_layer_ids}, draft format {m.draft_format}")
     out_console.print("speculation: " + "; ".join(
         f"batch {b}: {s.describe()} [{s.tag}]" + (f", menu {', '.join(f'{x.describe()} [{x.tag}]' for x in m.menu[b])}"
                                                   if m.menu.get(b) else "")
@@ -611,7 +612,15 @@ def fetch_demo_target_cmd(
 
 @app.command("verify")
 def verify_cmd(
-    bundle: Path = typer.Argument(..., help="bundle directory"),
+    bundle: Optional[Path] = typer.Argument(None, help="bundle directory (or --server URL --recipe RECIPE)"),
+    server: Optional[str] = typer.Option(None, "--server", metavar="URL",
+                                         help="verify a running OpenAI-compatible server (eagle3-serve, vLLM, "
+                                              "SGLang) instead of a bundle; needs --recipe"),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="with --server: the recipe whose pair the server "
+                                          "serves (its target is the reference, its draft what the diagnosis reads)"),
+    pair: Optional[str] = typer.Option(None, "--pair", help="with --server: the recipe's pair (when it has several)"),
+    model: Optional[str] = typer.Option(None, "--model", help="with --server: the served model name (default: the "
+                                        "first /v1/models lists)"),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
                                               help="prompts to check (default: the recipe's verify.num_prompts)"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
@@ -630,20 +639,37 @@ def verify_cmd(
     stamp_draft: bool = typer.Option(False, "--stamp-draft", help="record this target's fingerprint and the "
                                      "acceptance measured with it in the draft's config.json, for later drift checks"),
 ):
-    """Check a bundle: lossless against transformers greedy, acceptance, and the acceptance-length gate.
+    """Check a bundle (or a server): lossless against transformers greedy, acceptance, and the gate.
 
     Speculative greedy output == the target's transformers greedy output on N prompts; the acceptance
-    block; the gate. Exit 0 passed, 1 failed, 2 bad input."""
+    block (a server's: its Prometheus spec-decode counters); the gate, and the likely cause when it fails.
+    Exit 0 passed, 1 failed, 2 bad input."""
     from eagle3_runtime.tp import set_threads
 
     from .verify import render_report, verify_bundle
 
     set_threads()  # the runtime's rule: $EAGLE3_NUM_THREADS, else the cores this process may use
+    say = None if as_json else lambda m: console.print(f"verify: {m}", style="dim")
+    if (server is None) == (bundle is None):
+        fail("give a bundle directory, or --server URL --recipe RECIPE (not both)")
+    if server is None and (recipe or pair or model):
+        fail("--recipe, --pair and --model go with --server URL")
+    if server is not None and (target or stamp_draft):
+        fail("--target and --stamp-draft go with a bundle (with --server the recipe's target is the reference)")
+    if server is not None and recipe is None:
+        fail("--server needs --recipe RECIPE: the pair the server serves (its target is the reference)")
     try:
-        report = verify_bundle(bundle, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
-                               min_acceptance_length=min_acceptance_length, target_source=target,
-                               reference_dtype=reference_dtype, chat=chat, stamp_draft=stamp_draft,
-                               progress=None if as_json else lambda m: console.print(f"verify: {m}", style="dim"))
+        if server is not None:
+            from .verify.server import verify_server
+
+            report = verify_server(server, recipe, pair=pair, model=model, prompts=prompts, num_prompts=num_prompts,
+                                   max_tokens=max_tokens, min_acceptance_length=min_acceptance_length,
+                                   reference_dtype=reference_dtype, chat=chat, progress=say)
+        else:
+            report = verify_bundle(bundle, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
+                                   min_acceptance_length=min_acceptance_length, target_source=target,
+                                   reference_dtype=reference_dtype, chat=chat, stamp_draft=stamp_draft,
+                                   progress=say)
     except UserError as e:
         fail(str(e))
     if as_json:

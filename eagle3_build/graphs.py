@@ -27,6 +27,7 @@ class GraphSpec:
     bucket: int
     shape: SpecShape  # the speculation shape it is built for (manifest.graph_shape)
     variant: SpecShape | None = None  # the menu shape a per-shape role's graph serves (GraphEntry.shape)
+    context: int | None = None  # the KV slots a per-context role's graph reads (GraphEntry.context; None: all)
 
     @property
     def contract(self) -> Role:
@@ -38,17 +39,18 @@ class GraphSpec:
 
     @property
     def name(self) -> str:
-        return self.contract.graph_name(self.bucket, self.variant)
+        return self.contract.graph_name(self.bucket, self.variant, self.context)
 
     def tokens_per_call(self) -> int:
         return self.contract.tokens_per_call(self.bucket, self.shape)
 
 
 def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape],
-                menu: dict[int, list[SpecShape]] | None = None) -> list[GraphSpec]:
+                menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = ()
+                ) -> list[GraphSpec]:
     """Every graph a bundle needs (manifest.plan_roles)."""
-    return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v)
-            for r, b, v in plan_roles(prefill_buckets, speculation, menu)]
+    return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v, c)
+            for r, b, v, c in plan_roles(prefill_buckets, speculation, menu, contexts)]
 
 
 # ---------------------------------------------------------------- role modules
@@ -66,7 +68,7 @@ def _steps(T: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class TargetPrefill(nn.Module):
-    def __init__(self, m: Llama, shape: SpecShape):
+    def __init__(self, m: Llama, shape: SpecShape, context: int | None = None):
         super().__init__()
         self.m = m
 
@@ -80,31 +82,32 @@ class TargetPrefill(nn.Module):
 class TargetVerify(nn.Module):
     """The N tree nodes of every row (a chain: N = K + 1 in a line) in one pass; node i at slot start + i."""
 
-    def __init__(self, m: Llama, shape: SpecShape):
+    def __init__(self, m: Llama, shape: SpecShape, context: int | None = None):
         super().__init__()
-        self.m = m
+        self.m, self.context = m, context
 
     def forward(self, cache, rank, tokens, positions, start, tree_mask):
         b, N = tokens.shape
         slots = start[:, None] + _steps(N, start)
         h, aux = self.m(tokens, positions, cache, _rows(b, N, start), prefill=False, rank=rank, slots=slots,
-                        start=start, tree_mask=tree_mask)
+                        start=start, tree_mask=tree_mask, context=self.context)
         return self.m.logits(h), aux
 
 
 class TargetDecode(nn.Module):
-    def __init__(self, m: Llama, shape: SpecShape):
+    def __init__(self, m: Llama, shape: SpecShape, context: int | None = None):
         super().__init__()
-        self.m = m
+        self.m, self.context = m, context
 
     def forward(self, cache, rank, tokens, pos):
         b = tokens.shape[0]
-        h, aux = self.m(tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False, rank=rank)
+        h, aux = self.m(tokens[:, None], pos[:, None], cache, _rows(b, 1, pos), prefill=False, rank=rank,
+                        context=self.context)
         return self.m.logits(h[:, 0]), aux[:, 0]
 
 
 class DraftPrefill(nn.Module):
-    def __init__(self, m: Eagle3Draft, shape: SpecShape):
+    def __init__(self, m: Eagle3Draft, shape: SpecShape, context: int | None = None):
         super().__init__()
         self.m, self.k = m, shape.topk
 
@@ -118,7 +121,7 @@ class DraftPrefill(nn.Module):
 
 
 class DraftCatchup(nn.Module):
-    def __init__(self, m: Eagle3Draft, shape: SpecShape):
+    def __init__(self, m: Eagle3Draft, shape: SpecShape, context: int | None = None):
         super().__init__()
         self.m, self.k = m, shape.topk
 
@@ -134,7 +137,7 @@ class DraftCatchup(nn.Module):
 class DraftStep(nn.Module):
     """One draft step over W frontier nodes per row: each node's top-k children."""
 
-    def __init__(self, m: Eagle3Draft, shape: SpecShape):
+    def __init__(self, m: Eagle3Draft, shape: SpecShape, context: int | None = None):
         super().__init__()
         self.m, self.k = m, shape.topk
 
@@ -191,4 +194,4 @@ def model_weight_names(model: nn.Module) -> list[str]:
 
 def build_graph_module(spec: GraphSpec, model: nn.Module) -> tuple[BoundGraph, list[str]]:
     names = model_weight_names(model)
-    return BoundGraph(ROLE_MODULES[spec.role](model, spec.shape), names), names
+    return BoundGraph(ROLE_MODULES[spec.role](model, spec.shape, spec.context), names), names

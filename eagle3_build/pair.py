@@ -49,7 +49,7 @@ def load_pair(pair: PairRecipe) -> LoadedPair:
 
 
 def graph_plan(pair: PairRecipe) -> list[GraphSpec]:
-    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes, pair.speculation.menu)
+    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes, pair.speculation.menu, pair.buckets.context)
 
 
 def layouts(pair: PairRecipe, t: TargetCheckpoint, d: DraftCheckpoint):

@@ -114,8 +114,8 @@ class Bundle:
     def warm_up(self) -> dict[str, float]:
         return self.backend.warm_up()
 
-    def graph(self, role: str, bucket: int, shape=None):
-        return self.backend.graph(role, bucket, shape)
+    def graph(self, role: str, bucket: int, shape=None, slots: int | None = None):
+        return self.backend.graph(role, bucket, shape, slots)
 
     def copy_kv_row(self, src: int, dst: int) -> None:
         self.backend.copy_kv_row(src, dst)

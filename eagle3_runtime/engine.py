@@ -18,6 +18,8 @@ bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest
   rows past the speculation cutoff (manifest.can_speculate) take only the verify's first token (one
   token per step; their verify writes land in the KV scratch positions of manifest.kv_cache_length);
   when no row can speculate, the plain target_decode graph runs instead.
+Target decode / verify calls take the bundle's smallest context bucket holding every KV slot the batch's rows
+write (manifest.pick_context), else the whole-cache graph.
 
 An exception in a step (run_forever) fails the requests of that step (every active row, and the one
 being admitted) with an "error" event naming it, frees their rows and goes on; after
@@ -40,7 +42,7 @@ from .adaptive import MODES, NONE, Chooser, bucket_chooser
 from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
-from .manifest import NO_SPECULATION, SpecShape, can_speculate, torch_dtype
+from .manifest import NO_SPECULATION, SpecShape, can_speculate, pick_context, torch_dtype
 from .metrics import Metrics, SpecStats
 from .sampling import SamplingParams, next_token, verify_tree_sampled
 from .tokenizer import BundleTokenizer, TextStream
@@ -174,7 +176,8 @@ class Engine:
         self.bundle = bundle
         m = bundle.manifest
         self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
-        self.prefill_buckets, self.batch_buckets = m.prefill_buckets, m.batch_buckets
+        self.prefill_buckets, self.batch_buckets, self.context_buckets = \
+            m.prefill_buckets, m.batch_buckets, m.context_buckets
         self.eos = set(m.eos_token_ids)
         self.tokenizer = tokenizer  # (None: token ids only, no text)
         self.menus = {b: {s.describe(): s for s in m.shapes(b)} for b in self.batch_buckets}
@@ -401,14 +404,16 @@ class Engine:
             d = self._run("draft_prefill", S, aux=out["aux"], next_tokens=nxt, slot=slot, last=last)
             seq.take_draft(d, 0)
 
-    def _run(self, role: str, bucket: int, shape_: SpecShape | None = None, **inputs: torch.Tensor
-             ) -> dict[str, torch.Tensor]:
-        """Call one compiled graph (of speculation shape `shape_`, None: the bucket's own) with its inputs by
-        name (manifest.ROLES) -> its outputs by name, timed into the metrics (eagle3_graph_latency_seconds;
-        a menu shape's graph under role:tag)."""
-        key = (role, bucket, id(shape_))  # (the shapes are the manifest's objects: one id each for the engine's life)
+    def _run(self, role: str, bucket: int, shape_: SpecShape | None = None, kv_len_: int | None = None,
+             **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Call one compiled graph (of speculation shape `shape_`, None: the bucket's own; of the smallest
+        context bucket holding KV slots 0..kv_len_-1 where the role has them) with its inputs by name
+        (manifest.ROLES) -> its outputs by name, timed into the metrics (eagle3_graph_latency_seconds; a menu
+        shape's graph under role:tag)."""
+        context = pick_context(self.context_buckets, kv_len_) if kv_len_ is not None else None
+        key = (role, bucket, id(shape_), context)  # (the shapes are the manifest's: one id each for the engine's life)
         if key not in self._graphs:
-            graph = self.bundle.graph(role, bucket, shape_)
+            graph = self.bundle.graph(role, bucket, shape_, kv_len_)
             self._graphs[key] = graph, role if graph.entry.shape is None else f"{role}:{graph.entry.shape.tag}"
         graph, label = self._graphs[key]
         t0 = time.perf_counter()
@@ -441,7 +446,7 @@ class Engine:
         pos = torch.zeros(bsz, dtype=torch.int64)
         for s in self.active:
             tokens[s.row], pos[s.row] = s.ids[-1], s.pos
-        out = self._run("target_decode", bsz, tokens=tokens, pos=pos)
+        out = self._run("target_decode", bsz, kv_len_=int(pos.max()) + 1, tokens=tokens, pos=pos)
         self.target_passes += 1
         for s in self.active:
             tok = next_token(out["logits"][s.row], s.req.sampling, s.gen)
@@ -514,7 +519,8 @@ class Engine:
             t = trees[s.row] = drafting[s.row].tree() if s.row in drafting else dummy_tree(shape, s.ids[-1])
             tokens[s.row], positions[s.row], mask[s.row] = torch.tensor(t.tokens), s.pos + torch.tensor(t.depths), t.mask()
         # 2. verify every node in one target pass
-        v = self._run("target_verify", bsz, shape, tokens=tokens, positions=positions, start=start, tree_mask=mask)
+        v = self._run("target_verify", bsz, shape, kv_len_=int(start.max()) + N, tokens=tokens, positions=positions,
+                      start=start, tree_mask=mask)
         logits = v["logits"]
         self.target_passes += 1
         # 3. accept per row; the accepted nodes' KV moves to slots p..p+a

@@ -20,10 +20,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from .errors import Eagle3Error
 
-SCHEMA_VERSION = 8  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
+SCHEMA_VERSION = 9  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
 # 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature);
 # 6: the KV caches' layout named (kv_layout); 7: weights packed for oneDNN (PackedWeight.format "onednn");
-# 8: a menu of speculation shapes per batch bucket (Manifest.menu, GraphEntry.shape)
+# 8: a menu of speculation shapes per batch bucket (Manifest.menu, GraphEntry.shape); 9: context buckets
+# (Manifest.context_buckets, GraphEntry.context)
 MANIFEST = "manifest.json"
 
 BACKENDS = ("export", "aoti", "neuron")
@@ -256,6 +257,11 @@ def sorted_choices(choices) -> list[list[int]]:
 # Tree inputs: node i of a row sits at KV slot start + i (verify) or at `slots` (draft step) and at RoPE
 # position `positions`; it sees every committed slot < start and the scratch slots start + j with
 # tree_mask[i, j] != 0 (its ancestors and itself; an index dtype: Neuron takes no bool inputs).
+#
+# Context buckets (NxDI's token-generation buckets): a per-context role also has one graph per entry c of
+# Manifest.context_buckets that reads only KV slots 0..c-1 (same inputs and outputs; attention over the
+# cache costs in proportion to the slots read). The engine calls the smallest one whose slots hold every
+# slot the call's rows write (pick_context); the graph without a context reads the whole cache.
 
 
 @dataclass(frozen=True)
@@ -277,11 +283,13 @@ class Role:
     token_input: str  # the input whose size is the tokens one call processes
     needs_depth: int = 0  # compiled for a bucket whose shape has at least this depth
     per_shape: bool = False  # one graph per shape of the bucket's menu (else one per bucket: merged_shape)
+    per_context: bool = False  # also one graph per context bucket (attends over that many KV slots only)
 
-    def graph_name(self, bucket: int, variant: SpecShape | None = None) -> str:
-        """<role>_b<bucket> (prefill: _s<length>); a menu shape's own graph adds _<tag>."""
+    def graph_name(self, bucket: int, variant: SpecShape | None = None, context: int | None = None) -> str:
+        """<role>_b<bucket> (prefill: _s<length>); a menu shape's own graph adds _<tag>, a context bucket's
+        _c<slots>."""
         return f"{self.name}_{'s' if self.bucket_kind == 'prefill' else 'b'}{bucket}" + (
-            f"_{variant.tag}" if variant is not None else "")
+            f"_{variant.tag}" if variant is not None else "") + (f"_c{context}" if context is not None else "")
 
     def input_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, dtype: str,
                     index_dtype: str = "int64") -> list[tuple[str, list[int], str]]:
@@ -327,9 +335,10 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          _ports("logits[1,V]:float32", "aux[1,n,A]:model"), "tokens"),
     Role("target_verify", "target", "batch",
          _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:index"),
-         _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1, per_shape=True),
+         _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1, per_shape=True,
+         per_context=True),
     Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
-         _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens"),
+         _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens", per_context=True),
     Role("draft_prefill", "draft", "prefill",
          _ports("aux[1,n,A]:model", "next_tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
          _ports("token[1,k]:int64", "logprob[1,k]:float32", "hidden[1,Hd]:model"), "next_tokens", needs_depth=1),
@@ -371,24 +380,37 @@ def all_shapes(speculation: dict[int, SpecShape], menu: dict[int, list[SpecShape
     return [s for b in speculation for s in bucket_shapes(speculation, menu, b)]
 
 
+PlannedRole = tuple[str, int, SpecShape | None, int | None]
+
+
 def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape],
-               menu: dict[int, list[SpecShape]] | None = None) -> list[tuple[str, int, SpecShape | None]]:
-    """Every (role, bucket, variant) a bundle has, in build order: the prefill roles per prefill bucket
-    (draft_prefill if any shape speculates), then per batch bucket the roles its shapes need (target_decode
-    always: the plain round and the speculation-cutoff fallback); variant is the menu shape a per-shape
-    role's graph is for (None: the bucket's own shape, or a graph every shape of the bucket shares)."""
+               menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = ()
+               ) -> list[PlannedRole]:
+    """Every (role, bucket, variant, context) a bundle has, in build order: the prefill roles per prefill
+    bucket (draft_prefill if any shape speculates), then per batch bucket the roles its shapes need
+    (target_decode always: the plain round and the speculation-cutoff fallback); variant is the menu shape a
+    per-shape role's graph is for (None: the bucket's own shape, or a graph every shape of the bucket
+    shares); context the KV slots a per-context role's graph reads (None: the whole cache), the whole-cache
+    graph first."""
     depth = max(s.depth for s in all_shapes(speculation, menu))
-    out: list[tuple[str, int, SpecShape | None]] = [
-        (r, s, None) for s in prefill_buckets for r in PREFILL_ROLES if depth >= ROLES[r].needs_depth]
+    out: list[PlannedRole] = [
+        (r, s, None, None) for s in prefill_buckets for r in PREFILL_ROLES if depth >= ROLES[r].needs_depth]
     for b, own in speculation.items():
         shapes = bucket_shapes(speculation, menu, b)
         for r in BATCH_ROLES:
-            if not ROLES[r].per_shape:
-                if max(s.depth for s in shapes) >= ROLES[r].needs_depth:
-                    out.append((r, b, None))
-                continue
-            out += [(r, b, None if s == own else s) for s in shapes if s.depth >= ROLES[r].needs_depth]
+            role = ROLES[r]
+            if not role.per_shape:
+                variants = [None] if max(s.depth for s in shapes) >= role.needs_depth else []
+            else:
+                variants = [None if s == own else s for s in shapes if s.depth >= role.needs_depth]
+            for c in [None, *contexts] if role.per_context else [None]:
+                out += [(r, b, v, c) for v in variants]
     return out
+
+
+def pick_context(contexts: list[int], slots: int) -> int | None:
+    """The smallest context bucket holding `slots` KV slots (None: the whole cache)."""
+    return next((c for c in contexts if c >= slots), None)
 
 
 def graph_shape(role: str, bucket: int, speculation: dict[int, SpecShape],
@@ -413,6 +435,11 @@ KV_ALIGN = 64
 
 def can_speculate(pos: int, depth: int, max_model_len: int) -> bool:
     return pos + depth <= max_model_len - 1
+
+
+def min_context(depth: int) -> int:
+    """The smallest context bucket worth a graph: a verify writes depth + 1 slots past its pending one."""
+    return int(depth) + 2
 
 
 def min_max_model_len(depth: int) -> int:
@@ -506,6 +533,7 @@ class GraphEntry(_Strict):
     backend: dict[str, Any] = {}
     key: str = ""  # compile-cache key (eagle3_build.compile.cache)
     shape: SpecShape | None = None  # a per-shape role's graph for a menu shape (None: the bucket's own shape)
+    context: Count | None = None  # a per-context role's graph for a context bucket (None: the whole cache)
 
     def input(self, name: str) -> TensorSpec:
         for spec in self.inputs:
@@ -543,6 +571,7 @@ class Manifest(_Strict):
     max_model_len: Count
     prefill_buckets: Capped(list[Count], 64) = Field(min_length=1)
     batch_buckets: Capped(list[Count], 64) = Field(min_length=1)
+    context_buckets: Capped(list[Count], 64) = []  # KV slots the per-context roles' extra graphs read
     aux_layer_ids: Capped(list[int], 64)
     vocab_size: Count
     eos_token_ids: Capped(list[int], 1024)
@@ -567,10 +596,14 @@ class Manifest(_Strict):
         K = self.num_speculative_tokens
         if self.max_model_len < min_max_model_len(K):
             raise ValueError(f"max_model_len {self.max_model_len} must exceed num_speculative_tokens + 1 ({K + 1})")
-        for key in ("prefill_buckets", "batch_buckets"):
+        for key in ("prefill_buckets", "batch_buckets", "context_buckets"):
             b = getattr(self, key)
             if b != sorted(set(b)):
                 raise ValueError(f"{key} {b} must be strictly increasing")
+        if self.context_buckets and not min_context(K) <= self.context_buckets[0] <= self.context_buckets[-1] \
+                < self.max_model_len:
+            raise ValueError(f"context_buckets {self.context_buckets} must lie in {min_context(K)}.."
+                             f"{self.max_model_len - 1} (below max_model_len; the whole cache is always a graph)")
         if sorted(self.speculation) != self.batch_buckets:
             raise ValueError(f"speculation must have one shape per batch bucket {self.batch_buckets}, "
                              f"has {sorted(self.speculation)}")
@@ -596,17 +629,23 @@ class Manifest(_Strict):
             if m.name != name or len(m.weight_files) != self.tp_degree:
                 raise ValueError(f"models.{name}: needs name {name!r} and one weight file per rank "
                                  f"({self.tp_degree}), has {len(m.weight_files)}")
-        have = {(g.role, g.bucket, g.shape.tag if g.shape else None) for g in self.graphs}
+        have = {(g.role, g.bucket, g.shape.tag if g.shape else None, g.context) for g in self.graphs}
         if len(have) != len(self.graphs):
-            raise ValueError("graphs: more than one graph for the same role, bucket and shape")
-        need = {(r, b, v.tag if v else None)
-                for r, b, v in plan_roles(self.prefill_buckets, self.speculation, self.menu)}
-        missing = [f"{r}/{b}" + (f"/{v}" if v else "") for r, b, v in sorted(need - have, key=str)]
+            raise ValueError("graphs: more than one graph for the same role, bucket, shape and context")
+        need = {(r, b, v.tag if v else None, c)
+                for r, b, v, c in plan_roles(self.prefill_buckets, self.speculation, self.menu, self.context_buckets)}
+
+        def said(keys):
+            return [f"{r}/{b}" + (f"/{v}" if v else "") + (f"/c{c}" if c else "")
+                    for r, b, v, c in sorted(keys, key=str)]
+        missing = said(need - have)
         if missing:
-            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles)")
-        extra = [f"{r}/{b}" + (f"/{v}" if v else "") for r, b, v in sorted(have - need, key=str)]
+            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles, "
+                             "per context bucket where the role has them)")
+        extra = said(have - need)
         if extra:
-            raise ValueError(f"graphs: {', '.join(extra[:4])} serves no shape of its bucket (speculation, menu)")
+            raise ValueError(f"graphs: {', '.join(extra[:4])} serves no shape of its bucket (speculation, menu) "
+                             "or no context bucket")
         states = _check_states(self)
         weights: dict[str, list[str]] = {}
         for g in self.graphs:
@@ -646,12 +685,16 @@ class Manifest(_Strict):
         """The name of model `model`'s KV cache (what its graphs mutate)."""
         return next(g.state for g in self.graphs if g.model == model)
 
-    def graph(self, role: str, bucket: int, shape: SpecShape | None = None) -> GraphEntry:
-        """The graph of `role` at `bucket` that serves `shape` (None: the bucket's own shape)."""
+    def graph(self, role: str, bucket: int, shape: SpecShape | None = None, slots: int | None = None
+              ) -> GraphEntry:
+        """The graph of `role` at `bucket` that serves `shape` (None: the bucket's own shape) and reads the
+        fewest KV slots holding `slots` (None: the whole-cache graph)."""
         variant = shape if shape is not None and ROLES[role].per_shape and shape != self.speculation.get(bucket) \
             else None
+        context = pick_context(self.context_buckets, slots) if slots is not None and ROLES[role].per_context \
+            else None
         for g in self.graphs:
-            if g.role == role and g.bucket == bucket and g.shape == variant:
+            if g.role == role and g.bucket == bucket and g.shape == variant and g.context == context:
                 return g
         raise KeyError(f"bundle has no {role} graph for bucket {bucket}" + (f" and {variant.describe()}" if variant
                                                                                else ""))

@@ -62,6 +62,7 @@ class CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    return_token_ids: bool | None = None  # vLLM's flag: choices carry token_ids here whatever it says
 
 
 class CompletionRequest(CommonRequest):

@@ -1,7 +1,9 @@
 """A menu of speculation shapes per batch bucket (recipe `speculation.menu`, manifest `menu`): every shape's
 graphs are built, each runs lossless on its own (`--speculation TAG`), the engine may switch shapes between
 any two steps (chain <-> tree <-> plain) without changing a token, and `--speculation auto` picks among the
-whole menu by the costs and acceptance it is given."""
+whole menu by the costs and acceptance it is given. The bundle also has context buckets (recipe
+`buckets.context`): the decode loop's target graphs over the first 16 / 32 KV slots, called while every row
+fits (the prompts here cross both into the whole-cache graphs)."""
 import pytest
 
 from eagle3_runtime.adaptive import NONE
@@ -9,7 +11,8 @@ from eagle3_runtime.adaptive import NONE
 # chain K 3 (the bucket's own), a chain of 1 (no draft step), a tree of depth 2 (topk 2: the catch-up and
 # prefill graphs then propose 2 children for whichever shape drafts next)
 MENU = {"speculation": {"num_speculative_tokens": 3, "menu": [
-    {"num_speculative_tokens": 1}, {"num_speculative_tokens": 2, "tree": {"topk": 2, "num_draft_tokens": 4}}]}}
+    {"num_speculative_tokens": 1}, {"num_speculative_tokens": 2, "tree": {"topk": 2, "num_draft_tokens": 4}}]},
+    "buckets": {"context": [16, 32]}}
 TAGS = ("chain3", "chain1", "tree2x2x4")
 PROMPTS = [list(range(5, 21)), [7, 3, 9, 11, 2, 30, 31, 8], list(range(40, 52))]
 
@@ -34,17 +37,47 @@ def test_the_manifest_lists_every_shape_and_its_graphs(menu_bundle):
     tree = m.shapes(1)[2]
     assert m.graph("target_verify", 1, tree).input("tokens").shape == [1, 4]
     assert m.graph("target_verify", 1, m.speculation[1]).name == "target_verify_b1"
+    assert m.context_buckets == [16, 32]
+    assert m.graph("target_verify", 1, tree, 17).name == "target_verify_b1_tree2x2x4_c32"
+    assert m.graph("target_decode", 1, None, 16).name == "target_decode_b1_c16"
+    assert m.graph("target_decode", 1, None, 33).name == "target_decode_b1"  # past the largest: the whole cache
+    assert m.graph("draft_step", 1, tree, 5).name == "draft_step_b1_tree2x2x4"  # (target roles only)
+
+
+def test_a_context_bucket_graph_computes_what_the_whole_cache_graph_does(menu_bundle):
+    import torch
+
+    from eagle3_runtime.backends.base import call_by_name
+
+    b = menu_bundle
+    prompt = torch.tensor([list(range(5, 25)) + [0] * 44])
+    out = call_by_name(b.graph("target_prefill", 64), {"tokens": prompt, "slot": torch.tensor([0]),
+                                                       "last": torch.tensor([19])})
+    tok = out["logits"].argmax(-1)
+    inputs = {"tokens": tok[:, None].expand(1, 4).contiguous(),
+              "positions": torch.arange(20, 24)[None], "start": torch.tensor([20]),
+              "tree_mask": torch.tril(torch.ones(4, 4, dtype=torch.bool))[None]}
+    whole = call_by_name(b.graph("target_verify", 1), inputs)
+    ctx = call_by_name(b.graph("target_verify", 1, None, 24), inputs)
+    assert b.graph("target_verify", 1, None, 24).entry.name == "target_verify_b1_c32"
+    torch.testing.assert_close(ctx["logits"], whole["logits"], rtol=1e-4, atol=1e-4)
+    decode = {"tokens": tok, "pos": torch.tensor([20])}
+    torch.testing.assert_close(call_by_name(b.graph("target_decode", 1, None, 21), decode)["logits"],
+                               call_by_name(b.graph("target_decode", 1), decode)["logits"], rtol=1e-4, atol=1e-4)
 
 
 def test_every_shape_is_lossless_and_switching_between_steps_too(menu_bundle):
     from eagle3_runtime.engine import Engine
 
-    plain = Engine(menu_bundle, speculation="none").generate_many(PROMPTS, 24)
+    e = Engine(menu_bundle, speculation="none")
+    plain = e.generate_many(PROMPTS, 24)
+    assert {k[3] for k in e._graphs if k[0] == "target_decode"} == {16, 32, None}  # every context bucket ran
     for tag in TAGS:
         e = Engine(menu_bundle, speculation=tag)
         gens = e.generate_many(PROMPTS, 24)
         assert [g.token_ids for g in gens] == [p.token_ids for p in plain], tag
         assert sum(g.stats.num_drafts for g in gens) > 0
+        assert {k[3] for k in e._graphs if k[0] == "target_verify"} == {16, 32, None}, tag
     # --speculation auto with a chooser that serves another shape every step: chain 1 (top-1 of the
     # catch-up's 2), the tree (its 2 children), plain (a gap the draft catches up on), chain K 3
     menu_bundle.warm_up()  # (the graph costs a chooser needs)
@@ -127,6 +160,11 @@ def test_the_manifest_refuses_a_menu_it_cannot_serve(menu_bundle):
     stray = dict(raw, menu={"1": raw["menu"]["1"][1:]})
     with pytest.raises(ValidationError, match="target_verify/1/chain1 serves no shape"):
         Manifest.model_validate(stray)
+    no_context = dict(raw, graphs=[g for g in raw["graphs"] if g["name"] != "target_decode_b1_c16"])
+    with pytest.raises(ValidationError, match="missing target_decode/1/c16"):
+        Manifest.model_validate(no_context)
+    with pytest.raises(ValidationError, match=r"context_buckets \[16, 300\] must lie in 5..255"):
+        Manifest.model_validate(dict(raw, context_buckets=[16, 300]))
     unknown = dict(raw, menu={**raw["menu"], "2": raw["menu"]["1"]})
     with pytest.raises(ValidationError, match="menu: batch bucket 2 is not one of the batch buckets"):
         Manifest.model_validate(unknown)
@@ -151,13 +189,19 @@ def test_inspect_lists_the_menu_with_tags(menu_bundle):
     ([{"num_speculative_tokens": 300}], "speculation.menu[0].num_speculative_tokens", "must be <= 16"),
 ])
 def test_a_bad_menu_is_one_error_at_its_line(tiny, tmp_path, menu, where, words):
+    _refused_at_its_line(tiny, tmp_path, lambda p: p.update(speculation={"num_speculative_tokens": 3, "menu": menu}),
+                         where, words)
+
+
+def _refused_at_its_line(tiny, tmp_path, edit, where, words):
+    """The tiny pair's recipe with `edit` applied to its pair entry is refused, naming `where` and its line."""
     import yaml
 
     from eagle3_build.recipe import RecipeError, load_recipe
 
     base = tiny.pair()
     data = yaml.safe_load(base.read_text())
-    data["pairs"][0]["speculation"] = {"num_speculative_tokens": 3, "menu": menu}
+    edit(data["pairs"][0])
     data["pairs"][0]["target"] = str(base.parent / "target")
     data["pairs"][0]["draft"] = str(base.parent / "draft")
     path = tmp_path / "recipe.yaml"
@@ -192,3 +236,12 @@ def test_verify_checks_every_menu_shape_and_records_its_acceptance(menu_bundle, 
     recorded = json.loads((root / MANIFEST).read_text())["build"]["acceptance"]
     assert {k: len(v["reach"]) for k, v in recorded.items()} == {"chain K 3": 3, "chain K 1": 1,
                                                                  "tree depth 2 topk 2 nodes 4": 2}
+
+
+@pytest.mark.parametrize("context, words", [
+    ([300], "context bucket 300 must be below serving.max_model_len (256)"),
+    ([2], "context bucket 2 is below 5"),
+    ([64, 32], "strictly ascending"),
+])
+def test_a_bad_context_bucket_is_one_error_at_its_line(tiny, tmp_path, context, words):
+    _refused_at_its_line(tiny, tmp_path, lambda p: p["buckets"].update(context=context), "buckets.context", words)

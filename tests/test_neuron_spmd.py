@@ -281,6 +281,11 @@ def test_plan_knows_the_built_models_and_refuses_ambiguous_routes(standin_sdk, t
     with pytest.raises(UserError, match="same shapes.*routes a call by input shapes"):
         build_bundle(clash, tmp_path / "clash", cache=cache)
     assert not (tmp_path / "clash").exists()
+    # context buckets: the same inputs as the whole-cache graphs, so not on Neuron yet (one error, nothing built)
+    ctx = pair.model_copy(update={"buckets": pair.buckets.model_copy(update={"context": [32]})})
+    with pytest.raises(UserError, match="buckets.context is not available yet"):
+        build_bundle(ctx, tmp_path / "ctx", cache=cache)
+    assert not (tmp_path / "ctx").exists()
 
 
 def test_a_failed_model_build_is_one_compile_failure(standin_sdk, tmp_path, monkeypatch):

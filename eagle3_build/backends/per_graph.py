@@ -75,7 +75,7 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
                           dtype=dtype)
         inputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, s, x in ins]
         tkey = trace_key({**common, "backend": fields, "role": spec.role, "bucket": spec.bucket,
-                          "shape": spec.shape.model_dump(),
+                          "shape": spec.shape.model_dump(), **({"context": spec.context} if spec.context else {}),
                           "weights": [bm.weight_shapes[q][0] for q in qnames if q in bm.weight_shapes]})
         memo = cache.get_trace(tkey)
         hit = cache.get(memo["key"]) if memo is not None else None
@@ -217,6 +217,7 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
                     info["neff"] = dest.name
         graph_entries.append(GraphEntry(
             name=tg.spec.name, role=tg.spec.role, model=tg.spec.model, bucket=tg.spec.bucket, shape=tg.spec.variant,
+            context=tg.spec.context,
             file=file_entry(root, main), weights=tg.weights, packed=tg.packed, state=bm.state[tg.spec.model].name,
             inputs=tg.inputs, outputs=tg.outputs, backend=info, key=tg.job.key))
 

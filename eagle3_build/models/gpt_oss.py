@@ -141,10 +141,10 @@ class Attention(nn.Module):
         if at.prefill:  # the prompt's own keys (positions 0..S-1)
             keys, values, key_pos = k, v, at.positions[0]
             visible = key_pos <= q_pos
-        else:  # cache rows 0..b-1, every slot
-            keys, values = cache.read(layer, b)
-            key_pos = torch.arange(cache.length, device=x.device)
+        else:  # cache rows 0..b-1, the slots `at` sees (the context)
             visible = at.visible
+            keys, values = cache.read(layer, b, visible.shape[-1])
+            key_pos = torch.arange(visible.shape[-1], device=x.device)
         if self.window is not None:  # on slots: a tree's visible keys (its ancestors) lie within its depth
             visible = visible & (key_pos > q_pos - self.window)
         o = sink_attention(q, keys, values, self.sinks, visible, self.scale)

@@ -251,9 +251,9 @@ class KVCache:
             else:
                 self.kv[layer_idx, kind, rows, :, positions] = new.transpose(1, 2)
 
-    def read(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [b, Hkv, S, d] of cache rows 0..b-1."""
-        return self.kv[layer, 0, :b], self.kv[layer, 1, :b]
+    def read(self, layer: int, b: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [b, Hkv, slots, d] of cache rows 0..b-1, KV slots 0..slots-1."""
+        return self.kv[layer, 0, :b, :, :slots], self.kv[layer, 1, :b, :, :slots]
 
     @property
     def length(self) -> int:
@@ -273,13 +273,14 @@ class Where:
     prefill: bool
 
 
-def where(cache: KVCache, rows, positions, prefill: bool, slots=None, start=None, tree_mask=None) -> Where:
+def where(cache: KVCache, rows, positions, prefill: bool, slots=None, start=None, tree_mask=None,
+          context: int | None = None) -> Where:
     """Causal over positions (slots = positions), or a tree: slots < start committed, slot start + j seen
-    where tree_mask[.., j] (manifest.ROLES)."""
+    where tree_mask[.., j] (manifest.ROLES); over the first `context` KV slots (None: all)."""
     slots = positions if slots is None else slots
     if prefill:
         return Where(rows, slots, positions, None, True)
-    key = torch.arange(cache.length, device=positions.device)
+    key = torch.arange(context or cache.length, device=positions.device)
     if tree_mask is None:
         return Where(rows, slots, positions, key[None, None, :] <= positions[:, :, None], False)
     b, T, M = tree_mask.shape
@@ -298,7 +299,7 @@ def attend(q, k_new, v_new, cache: KVCache, layer: int, at: Where):
     cache.write(layer, at.rows, at.slots, k_new, v_new)
     if at.prefill:
         return F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, enable_gqa=True)
-    keys, values = cache.read(layer, q.shape[0])
+    keys, values = cache.read(layer, q.shape[0], at.visible.shape[-1])
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=at.visible[:, None], enable_gqa=True)
 
 
@@ -375,11 +376,11 @@ class DecoderStack(nn.Module):
         return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
 
     def forward(self, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor,
-                slots=None, start=None, tree_mask=None):
+                slots=None, start=None, tree_mask=None, context: int | None = None):
         """tokens/positions/rows [b, T] -> (last hidden [b, T, H_p], aux [b, T, 3*H_p]); a tree's
-        slots / start / tree_mask as in `where`."""
+        slots / start / tree_mask and the KV slots read (`context`) as in `where`."""
         cache = KVCache.of(cache)
-        at = where(cache, rows, positions, prefill, slots, start, tree_mask)
+        at = where(cache, rows, positions, prefill, slots, start, tree_mask, context)
         h = self.embed_tokens(tokens, rank)
         cos, sin = self.rope(positions, h.dtype)
         entering = {}

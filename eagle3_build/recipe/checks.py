@@ -10,7 +10,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_MENU, MAX_NODES, NO_SPECULATION, SpecShape, all_shapes,
-                                     chain, choices_problems, dynamic_tree, min_max_model_len, static_tree,
+                                     chain, choices_problems, dynamic_tree, min_context, min_max_model_len, static_tree,
                                      tree_problems)
 
 from ..buckets import default_batch_buckets
@@ -135,11 +135,13 @@ def check_buckets(merged: dict, add: Callable[..., None], deepest: tuple[int, st
     if mml is not None and mnbt is not None and mnbt > mml:
         add(("serving", "max_num_batched_tokens"), f"must be <= serving.max_model_len ({mml}), got {mnbt}")
 
-    for kind in ("prefill", "batch"):
+    for kind in ("prefill", "batch", "context"):
         lst = get_path(merged, "buckets", kind)
         if not isinstance(lst, list) or not all(is_int(b) for b in lst):
             continue  # absent/null -> default; wrong types are reported by the schema
         rel = ("buckets", kind)
+        if not lst and kind == "context":
+            continue  # (no context buckets: the decode loop attends over the whole cache)
         if not lst:
             add(rel, "must not be empty; give ascending positive integers or omit it for the defaults")
             continue
@@ -153,6 +155,12 @@ def check_buckets(merged: dict, add: Callable[..., None], deepest: tuple[int, st
                 good = False
             elif kind == "prefill" and mml is not None and b > mml:
                 add(rel + (i,), f"prefill bucket {b} exceeds serving.max_model_len ({mml})")
+            elif kind == "context" and mml is not None and b >= mml:
+                add(rel + (i,), f"context bucket {b} must be below serving.max_model_len ({mml}): the graphs over "
+                                "the whole KV cache are always built; drop it")
+            elif kind == "context" and k is not None and b < min_context(k):
+                add(rel + (i,), f"context bucket {b} is below {min_context(k)} (a verify's {k_name} + 1 KV slots "
+                                "past the pending one); raise it or drop it")
             elif kind == "batch" and mns is not None and b > mns:
                 add(rel + (i,), f"batch bucket {b} exceeds serving.max_num_seqs ({mns}); its graphs could never "
                                 "run (a batch holds at most max_num_seqs sequences)")

@@ -100,6 +100,9 @@ class Buckets(_Section):
     # defaults (buckets.py, filled in by RawPair): doublings up to the serving limits
     prefill: list[int]
     batch: list[int]
+    # KV slots the decode loop's target graphs also read only (NxDI's token-generation buckets): per entry c,
+    # target_decode and target_verify graphs over slots 0..c-1, called while a batch's rows fit in c
+    context: list[int] = []
 
 
 class VerifySettings(_Section):

@@ -1,6 +1,7 @@
-"""Why a draft's acceptance is low: cheap checks on the bundle's draft weights (d2t, fc, lm_head), then the
-draft run eagerly on the reference's hidden states, with the aux layer ids and norm_before_residual as
-built and with their neighbouring values, and compared with what the bundle's graphs achieved."""
+"""Why a draft's acceptance is low: cheap checks on the draft's weights (d2t, fc, lm_head), then the draft
+run eagerly on the reference's hidden states, with the aux layer ids and norm_before_residual as built and
+with their neighbouring values, and compared with what the engine achieved. The draft is a bundle's, or a
+draft directory as a server was given it (`verify --server`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,38 @@ TOP_K = 10  # a proposal outside the target's top TOP_K is not a plausible token
 
 
 @dataclass
+class DraftUnderTest:
+    """The draft as the diagnosis reads it: its args, its weights (module names, float; the target's
+    embed_tokens when it borrows it), the target vocab and lm_head, and its padded hidden width (None)."""
+
+    args: Eagle3Args
+    weights: dict[str, torch.Tensor]
+    vocab: int
+    target_lm: torch.Tensor | None
+    padded_hidden: int | None = None
+    engine: str = "bundle"  # what ran it: "bundle" (its graphs) or "server"
+
+    @classmethod
+    def of_bundle(cls, bundle: Bundle) -> "DraftUnderTest":
+        entry = bundle.manifest.models["draft"]
+        cfg = dict(entry.config)
+        cfg["aux_layer_ids"] = tuple(cfg["aux_layer_ids"])
+        fields = {f.name for f in dataclasses.fields(Eagle3Args)}
+        args = Eagle3Args(**{k: v for k, v in cfg.items() if k in fields})
+        hp = entry.layout.get("padded_hidden") or args.hidden_size
+        w = {k[len("draft/"):]: v for k, v in bundle.weights.items() if k.startswith("draft/")}
+        if "embed_tokens.weight" not in w:  # borrowed from the target (bound as target/embed_tokens.weight)
+            w["embed_tokens.weight"] = bundle.weights["target/embed_tokens.weight"]
+        target_lm = bundle.weights.get("target/lm_head.weight", bundle.weights.get("target/embed_tokens.weight"))
+        return cls(args, floats(w), bundle.manifest.vocab_size, target_lm,
+                   hp if hp != args.hidden_size else None)
+
+
+def floats(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
+
+
+@dataclass
 class Diagnosis:
     """A likely cause of low acceptance, with what was measured."""
 
@@ -37,31 +70,16 @@ class Diagnosis:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def _draft_weights(bundle: Bundle) -> dict[str, torch.Tensor]:
-    out = {k[len("draft/"):]: v for k, v in bundle.weights.items() if k.startswith("draft/")}
-    if "embed_tokens.weight" not in out:  # borrowed from the target (bound as target/embed_tokens.weight)
-        out["embed_tokens.weight"] = bundle.weights["target/embed_tokens.weight"]
-    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
-
-
-def _eager_draft(bundle: Bundle, weights: dict[str, torch.Tensor],
-                 **overrides) -> tuple[Eagle3Draft, Eagle3Args, int]:
-    """The bundle's draft as a plain torch module (TP 1), from its recorded args and weights; also its
-    args and the width of one aux chunk as its fc reads it."""
-    entry = bundle.manifest.models["draft"]
-    cfg = dict(entry.config)
-    cfg["aux_layer_ids"] = tuple(cfg["aux_layer_ids"])
-    fields = {f.name for f in dataclasses.fields(Eagle3Args)}
-    args = Eagle3Args(**{k: v for k, v in cfg.items() if k in fields})
-    args = dataclasses.replace(args, **overrides)
-    hp = entry.layout.get("padded_hidden") or args.hidden_size
-    padded = hp if hp != args.hidden_size else None
-    layout = draft_layout(args, 1, padded, padded)
+def _eager_draft(dut: DraftUnderTest, **overrides) -> tuple[Eagle3Draft, Eagle3Args, int]:
+    """The draft as a plain torch module (TP 1), from its args and weights; also its args and the width of
+    one aux chunk as its fc reads it."""
+    args = dataclasses.replace(dut.args, **overrides)
+    layout = draft_layout(args, 1, dut.padded_hidden, dut.padded_hidden)
     draft = Eagle3Draft(args, layout)
-    missing, _ = draft.load_state_dict(weights, strict=False)
+    missing, _ = draft.load_state_dict(dut.weights, strict=False)
     lacking = [k for k in missing if k in weight_tensors(draft)]
     if lacking:
-        raise RuntimeError(f"the bundle's draft weights lack {lacking[:3]}")
+        raise RuntimeError(f"the draft weights lack {lacking[:3]}")
     # each aux chunk as the fc reads it: the target's hidden width, zero-padded like the target emits it
     return draft.float().eval(), args, layout.padded_input_hidden or args.target_hidden_size
 
@@ -80,22 +98,22 @@ def _first_step(draft, aux: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return draft.propose(out)[0][0, :, 0]
 
 
-def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[int]]],
+def diagnose_draft(draft: Bundle | DraftUnderTest, model, sequences: list[tuple[list[int], list[int]]],
                    engine_pos0: float | None) -> list[Diagnosis]:
-    """Likely causes of the bundle's low acceptance, the most certain first. `model`: the reference;
-    `sequences`: (prompt ids, reference continuation); `engine_pos0`: the engine's position-0 acceptance."""
-    m = bundle.manifest
-    w = _draft_weights(bundle)
+    """Likely causes of low acceptance, the most certain first. `draft`: a bundle (its draft) or a
+    DraftUnderTest; `model`: the reference; `sequences`: (prompt ids, reference continuation); `engine_pos0`:
+    the engine's position-0 acceptance."""
+    dut = draft if isinstance(draft, DraftUnderTest) else DraftUnderTest.of_bundle(draft)
+    w = dut.weights
     out: list[Diagnosis] = []
-    vocab = m.vocab_size
-    dcfg = m.models["draft"].config
-    dvocab = int(dcfg.get("draft_vocab_size") or vocab)
+    vocab = dut.vocab
+    dvocab = int(dut.args.draft_vocab_size or vocab)
 
     # ---- static: the weights themselves
     if dvocab < vocab:
         if "d2t" not in w:
             out.append(Diagnosis("d2t", f"the draft vocab is reduced ({dvocab} of {vocab} target tokens) but the "
-                                        "bundle has no d2t: draft ids are read as the first target ids — "
+                                        f"{dut.engine}'s draft has no d2t: draft ids are read as the first target ids — "
                                         + CAUSES["d2t"], {"draft_vocab_size": dvocab}))
         else:
             d2t = w["d2t"].long()
@@ -114,7 +132,7 @@ def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[
         out.append(Diagnosis("fc", f"the draft's fc weight is all zero (rms {fc_rms:.1e}): " + CAUSES["fc"],
                              {"fc_rms": fc_rms}))
     lm = w["lm_head.weight"]
-    target_lm = bundle.weights.get("target/lm_head.weight", bundle.weights.get("target/embed_tokens.weight"))
+    target_lm = dut.target_lm
     if float(lm.abs().max()) == 0:
         out.append(Diagnosis("lm_head", "the draft's lm_head is all zero: " + CAUSES["lm_head"], {}))
     elif target_lm is not None:
@@ -132,7 +150,7 @@ def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[
     seqs = hidden_states(model, sequences)
     if not seqs:
         return out
-    draft, args, chunk = _eager_draft(bundle, w)
+    eager, args, chunk = _eager_draft(dut)
     aux_ids = tuple(args.aux_layer_ids)
     n_layers = len(seqs[0].hidden) - 1
 
@@ -154,7 +172,7 @@ def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[
             n += want.numel()
         return (hit / n if n else 0.0), (topk / n if n else 0.0), n
 
-    base_hit, base_top, npos = rates(draft, aux_ids)
+    base_hit, base_top, npos = rates(eager, aux_ids)
     ev_base = {"first_step_hit_rate": round(base_hit, 3), "in_target_top10": round(base_top, 3), "positions": npos,
                "aux_layer_ids": list(aux_ids)}
     if engine_pos0 is not None:
@@ -169,7 +187,7 @@ def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[
             ids = tuple(a + shift for a in aux_ids)
             if not all(0 <= a < n_layers for a in ids):
                 continue
-            r, _, _ = rates(draft, ids)
+            r, _, _ = rates(eager, ids)
             if better(r) and (best is None or r > best[1]):
                 best = (ids, r, shift)
         if best is not None:
@@ -177,24 +195,28 @@ def diagnose_draft(bundle: Bundle, model, sequences: list[tuple[list[int], list[
             out.append(Diagnosis(
                 "aux_ids", f"aux layer ids look shifted by {-shift:+d}: the draft's first proposal matches the target "
                            f"{100 * r:.0f}% of the time with ids {list(ids)} but {100 * base_hit:.0f}% with the "
-                           f"bundle's {list(aux_ids)} — " + CAUSES["aux_ids"],
+                           f"{dut.engine}'s {list(aux_ids)} — " + CAUSES["aux_ids"],
                 dict(ev_base, better_aux_layer_ids=list(ids), better_hit_rate=round(r, 3))))
-        flipped, _, _ = _eager_draft(bundle, w, norm_before_residual=not args.norm_before_residual)
+        flipped, _, _ = _eager_draft(dut, norm_before_residual=not args.norm_before_residual)
         r, _, _ = rates(flipped, aux_ids)
         if better(r):
             out.append(Diagnosis(
                 "norm_before_residual",
                 f"norm_before_residual looks wrong: the draft's first proposal matches the target {100 * r:.0f}% of "
                 f"the time with norm_before_residual={not args.norm_before_residual} but {100 * base_hit:.0f}% with "
-                f"the bundle's {args.norm_before_residual} — " + CAUSES["norm_before_residual"],
+                f"the {dut.engine}'s {args.norm_before_residual} — " + CAUSES["norm_before_residual"],
                 dict(ev_base, better_hit_rate=round(r, 3))))
     # round starts skip the position after an accepted first token, so the engine's position-0 rate is a
     # (somewhat pessimistic) sample of the eager hit rate: only a collapse points at the graphs
     if engine_pos0 is not None and base_hit >= 0.3 and engine_pos0 <= base_hit / 3:
+        what, fault = (("the bundle's draft graphs do", "the build or the runtime is at fault — please report it")
+                       if dut.engine == "bundle" else
+                       ("the server's speculative decoding does", "the server loads or runs it differently (its "
+                        "aux layer ids or norm placement), or it serves another draft than this directory"))
         out.append(Diagnosis(
-            "graphs", f"the bundle's draft graphs do worse than the same weights run eagerly (position-0 acceptance "
+            "graphs", f"{what} worse than the same weights run eagerly (position-0 acceptance "
                       f"{100 * engine_pos0:.0f}% vs {100 * base_hit:.0f}% first-step hits): the checkpoint is fine, "
-                      "the build or the runtime is at fault — please report it", ev_base))
+                      + fault, ev_base))
     if not out:
         if base_top < 0.2:
             out.append(Diagnosis(

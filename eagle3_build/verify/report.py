@@ -45,6 +45,8 @@ class VerifyReport:
     speculation: str = ""  # the shape of every batch bucket (SpecShape.describe())
     menu: list[MenuResult] = field(default_factory=list)
     drift: str | None = None  # the target against the one the draft was trained with (drift.py)
+    acceptance_note: str | None = None  # why no acceptance was measured (a server without counters)
+    subject: str = "bundle"  # what was verified: a bundle, or a server (verify --server)
 
     @property
     def too_many_near_ties(self) -> bool:
@@ -83,16 +85,17 @@ class VerifyReport:
             msg = (f"lossless: prompt {i} ({short(p.prompt)!r}) differs from the target's greedy output at "
                    f"generated token {p.first_mismatch} (position {p.position}): ")
             if p.near_tie and p.later_mismatch is not None:
-                msg += (f"a near-tie (gap {p.gap:.3g} <= {p.tolerance:.3g}), but past it the bundle picks, at generated "
+                msg += (f"a near-tie (gap {p.gap:.3g} <= {p.tolerance:.3g}), but past it the {self.subject} picks, at "
+                        "generated "
                         f"token {p.later_mismatch} (position {len(p.prompt_ids) + p.later_mismatch}), a token the "
-                        f"reference (teacher-forced on the bundle's text) ranks {p.later_gap:.4g} below its best, "
+                        f"reference (teacher-forced on the {self.subject}'s text) ranks {p.later_gap:.4g} below its best, "
                         f"more than the near-tie tolerance {p.later_tolerance:.3g}")
             elif p.gap is None:
-                msg += (f"the reference generated {len(p.reference_ids)} tokens, the bundle {len(p.bundle_ids)} "
-                        "(one stopped at an end-of-sequence token the other did not produce; are the bundle's "
-                        "eos_token_ids the target's?)")
+                msg += (f"the reference generated {len(p.reference_ids)} tokens, the {self.subject} "
+                        f"{len(p.bundle_ids)} (one stopped at an end-of-sequence token the other did not produce; are "
+                        f"the {self.subject}'s eos_token_ids the target's?)")
             else:
-                msg += (f"reference {p.reference_token}, bundle {p.bundle_token}; the reference prefers its token by "
+                msg += (f"reference {p.reference_token}, {self.subject} {p.bundle_token}; the reference prefers its token by "
                         f"{p.gap:.4g} (top-2 margin {p.top2_margin:.4g}), more than the "
                         f"{self.reference_dtype}/{self.dtype} near-tie tolerance {p.tolerance:.3g}")
             if p.plain_matches_reference is True:
@@ -116,8 +119,9 @@ class VerifyReport:
         if not self.gate_ok:
             acc = self.acceptance
             if acc.num_drafts == 0:
-                out.append("acceptance: no speculative round ran (is max_tokens at least 2?), so the gate "
-                           f"min_acceptance_length {self.min_acceptance_length} cannot be met")
+                why = self.acceptance_note or "no speculative round ran (is max_tokens at least 2?)"
+                out.append(f"acceptance: {why}, so the gate min_acceptance_length {self.min_acceptance_length} "
+                           "cannot be met")
             else:
                 out.append(f"acceptance: mean acceptance length {acc.mean_acceptance_length:.2f} < "
                            f"min_acceptance_length {self.min_acceptance_length:g} "
@@ -137,7 +141,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {
-            "bundle": self.bundle, "passed": self.passed, "lossless_ok": self.lossless_ok,
+            self.subject: self.bundle, "passed": self.passed, "lossless_ok": self.lossless_ok,
             "gate_ok": self.gate_ok, "reference": self.reference, "dtype": self.dtype,
             "reference_dtype": self.reference_dtype, "num_speculative_tokens": self.num_speculative_tokens,
             "speculation": self.speculation,
@@ -148,7 +152,7 @@ class VerifyReport:
             "menu": [{"shape": r.shape, "tag": r.tag, "ok": r.ok, "prompts": r.prompts,
                       "spec_decoding": r.acceptance.to_dict()} for r in self.menu],
             "diagnoses": [asdict(d) for d in self.diagnoses], "diagnosis_error": self.diagnosis_error,
-            "drift": self.drift,
+            "drift": self.drift, "acceptance_note": self.acceptance_note,
             "failures": self.failures(), "seconds": round(self.seconds, 2),
         }
 
@@ -179,7 +183,7 @@ def render_report(report: VerifyReport, console) -> None:
 
     acc = report.acceptance
     console.print(f"[bold]verify[/] {report.bundle}", highlight=False)
-    console.print(f"reference: {report.reference} ({report.reference_dtype}); bundle dtype {report.dtype}, "
+    console.print(f"reference: {report.reference} ({report.reference_dtype}); {report.subject} dtype {report.dtype}, "
                   f"{report.speculation or f'K {report.num_speculative_tokens}'}, {len(report.prompts)} prompts x "
                   f"{report.max_tokens} tokens",
                   highlight=False, soft_wrap=True)

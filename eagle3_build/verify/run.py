@@ -56,21 +56,9 @@ def verify_bundle(
     reason = skip_reason(manifest)
     if reason:
         raise VerifyError(f"{root}: cannot verify here: {reason}")
-    settings = recorded_settings(manifest)
-    num_prompts = settings.num_prompts if num_prompts is None else num_prompts
-    max_tokens = settings.max_tokens if max_tokens is None else max_tokens
-    chat = settings.chat if chat is None else chat
-    if min_acceptance_length is None:
-        min_acceptance_length = settings.min_acceptance_length
-    if not isinstance(num_prompts, int) or num_prompts < 1:
-        raise VerifyError(f"num_prompts must be at least 1, got {num_prompts!r}")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise VerifyError(f"max_tokens must be at least 1, got {max_tokens!r}")
-    if min_acceptance_length is not None and not min_acceptance_length >= 1:
-        raise VerifyError(f"min_acceptance_length must be >= 1 (1 = nothing accepted), got {min_acceptance_length}")
-    ref_dtype = reference_dtype or manifest.dtype
-    if ref_dtype not in NEAR_TIE_REL:
-        raise VerifyError(f"reference dtype {ref_dtype!r}: choose one of {', '.join(NEAR_TIE_REL)}")
+    (num_prompts, max_tokens, chat, min_acceptance_length), ref_dtype = resolve_settings(
+        recorded_settings(manifest), manifest.dtype, num_prompts, max_tokens, chat, min_acceptance_length,
+        reference_dtype)
 
     texts = select_prompts(prompts, num_prompts)
     encoded = encode_prompts(texts, root, chat=chat)
@@ -179,6 +167,28 @@ def record_acceptance(root: Path, profiles: list[tuple[SpecShape, SpecStats]], p
             "reach": [round(n / acc.num_drafts, 4) for n in acc.accepted_per_position[:shape.depth]],
             "rounds": acc.num_drafts, "prompts": prompts}
     atomic_write(path, json.dumps(raw, indent=2))
+
+
+def resolve_settings(settings: VerifySettings, dtype: str, num_prompts: int | None, max_tokens: int | None,
+                     chat: bool | None, min_acceptance_length: float | None, reference_dtype: str | None
+                     ) -> tuple[tuple[int, int, bool, float | None], str]:
+    """The recipe's verify settings with the caller's overrides (None: the recipe's), checked, and the
+    reference dtype (default: `dtype`, what is verified)."""
+    num_prompts = settings.num_prompts if num_prompts is None else num_prompts
+    max_tokens = settings.max_tokens if max_tokens is None else max_tokens
+    chat = settings.chat if chat is None else chat
+    if min_acceptance_length is None:
+        min_acceptance_length = settings.min_acceptance_length
+    if not isinstance(num_prompts, int) or num_prompts < 1:
+        raise VerifyError(f"num_prompts must be at least 1, got {num_prompts!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise VerifyError(f"max_tokens must be at least 1, got {max_tokens!r}")
+    if min_acceptance_length is not None and not min_acceptance_length >= 1:
+        raise VerifyError(f"min_acceptance_length must be >= 1 (1 = nothing accepted), got {min_acceptance_length}")
+    ref_dtype = reference_dtype or dtype
+    if ref_dtype not in NEAR_TIE_REL:
+        raise VerifyError(f"reference dtype {ref_dtype!r}: choose one of {', '.join(NEAR_TIE_REL)}")
+    return (num_prompts, max_tokens, chat, min_acceptance_length), ref_dtype
 
 
 def read_bundle_manifest(bundle_dir: Path) -> Manifest:

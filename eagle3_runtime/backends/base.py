@@ -107,10 +107,11 @@ class GraphRunner:
 
     graphs: dict  # graph name -> what the engine calls
 
-    def graph(self, role: str, bucket: int, shape=None):
-        """The graph of `role` at `bucket` serving speculation shape `shape` (None: the bucket's own)."""
+    def graph(self, role: str, bucket: int, shape=None, slots: int | None = None):
+        """The graph of `role` at `bucket` serving speculation shape `shape` (None: the bucket's own), of the
+        smallest context bucket holding `slots` KV slots (None: the whole cache)."""
         try:
-            return self.graphs[self.manifest.graph(role, bucket, shape).name]
+            return self.graphs[self.manifest.graph(role, bucket, shape, slots).name]
         except KeyError as e:
             raise BundleError(f"{self.root}: no {role} graph for bucket {bucket}"
                               + (f" and {shape.describe()}" if shape is not None else "")) from e
@@ -129,11 +130,11 @@ class GraphRunner:
         """Call every graph once on zeros (what NxDI and vLLM do before serving) and record each first
         call's time on this host in `timings`: a graph that cannot run here fails now, as one BundleError
         naming it, instead of in the middle of a request, and the first, slow call of each bucket is paid
-        before the first request. Then the decode loop's graphs (manifest.BATCH_ROLES) run in up to `repeats`
-        interleaved passes, one at least and then as many as fit in `budget_s`: their median is `costs`, what a
-        step costs on this host (adaptive.py chooses the speculation shape from it). The KV caches' contents do
-        not matter (a row's positions are written
-        before they are read)."""
+        before the first request. Then the decode loop's whole-cache graphs (manifest.BATCH_ROLES) run in up to
+        `repeats` interleaved passes, one at least and then as many as fit in `budget_s`: their median is `costs`,
+        what a step costs on this host (adaptive.py chooses the speculation shape from it; a context bucket's
+        graphs cost less in about the same ratio for every shape). The KV caches' contents do not matter (a
+        row's positions are written before they are read)."""
         self.timings, self.costs = {}, {}
         inputs = {g.name: {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in g.inputs[1:]}
                   for g in self.manifest.graphs}
@@ -148,7 +149,7 @@ class GraphRunner:
                 raise BundleError(f"{self.root}: graph {g.name} fails on its first call ({type(e).__name__}: "
                                   f"{first}); the bundle does not run on this host — rebuild it") from e
             self.timings[g.name] = time.perf_counter() - t0
-        timed = [g for g in self.manifest.graphs if g.role in BATCH_ROLES]
+        timed = [g for g in self.manifest.graphs if g.role in BATCH_ROLES and g.context is None]  # (whole cache)
         times: dict[str, list[float]] = {g.name: [] for g in timed}
         spent = 0.0
         for rep in range(repeats):  # interleaved passes: a moment of host noise lands on every shape's graphs alike

@@ -109,10 +109,11 @@ class NxDCall:
     compact_pairs: int | None = None  # the kv_compact key's pairs (a tree bundle's target), None: no such key
 
 
-def nxd_key(role: str, shape=None) -> str:
+def nxd_key(role: str, shape=None, context: int | None = None) -> str:
     """The ModelBuilder key a graph is traced under: its role; a menu shape's own graph (GraphEntry.shape: a
-    per-shape role, another module where topk or width differ) the role and the shape's tag."""
-    return role if shape is None else f"{role}.{shape.tag}"
+    per-shape role, another module where topk or width differ) the role and the shape's tag; a context
+    bucket's (GraphEntry.context: the same inputs, fewer KV slots read) .c<slots> after them."""
+    return (role if shape is None else f"{role}.{shape.tag}") + (f".c{context}" if context is not None else "")
 
 
 def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
@@ -131,8 +132,8 @@ def nxd_call(m: Manifest, name: str, where: str = MANIFEST) -> NxDCall:
                 raise _bad_call(where, g.name, f"backend.{field} is {b[field]!r}, not "
                                                f"{'a string' if kind is str else 'an integer'}")
         problem = None
-        key = nxd_key(g.role, g.shape)
-        n_key = sum(nxd_key(x.role, x.shape) == key for x in graphs)
+        key = nxd_key(g.role, g.shape, g.context)
+        n_key = sum(nxd_key(x.role, x.shape, x.context) == key for x in graphs)
         if b["key"] != key:  # (backend.format: checked by the manifest itself, for every backend)
             problem = f"backend.key {b['key']!r} is not the graph's key {key!r} (its role, and a menu shape's tag)"
         elif not 0 <= b["bucket_index"] < n_key:

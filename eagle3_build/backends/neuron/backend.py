@@ -67,9 +67,10 @@ class NeuronBackend(Backend):
         builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
                                compiler_workdir=str(workdir), logical_nc_config=self.lnc)
         n_inputs = {spec_key(spec): len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
-        shapes = {spec_key(spec): spec.shape for spec, _ in mg.graphs}
+        specs = {spec_key(spec): spec for spec, _ in mg.graphs}
         for key in mg.keys():  # a fresh module per key, built when ModelBuilder loads the key
-            make = functools.partial(key_module, mg, key, n_inputs[key], shapes.get(key))
+            spec = specs.get(key)
+            make = functools.partial(key_module, mg, key, n_inputs[key], spec and spec.shape, spec and spec.context)
             builder.add(key=key, model_instance=key_instance(BaseModelInstance, make, mg.n_out),
                         example_inputs=mg.examples(key),
                         compiler_args=shlex.join(self.role_args[key_role(key)]),

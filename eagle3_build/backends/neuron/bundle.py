@@ -96,7 +96,8 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, repo
             if "neff" in gi:
                 gi["neff"] = f"graphs/{gi['neff']}"
             graph_entries.append(GraphEntry(
-                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, shape=sp.variant, file=model_file,
+                name=sp.name, role=sp.role, model=name, bucket=sp.bucket, shape=sp.variant, context=sp.context,
+                file=model_file,
                 weights=qualified,
                 state=state.name, inputs=entries_in[sp.name], outputs=contract_outputs(bm, sp),
                 backend=gi, key=key))

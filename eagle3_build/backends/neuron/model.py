@@ -182,7 +182,7 @@ PRIORITY_ROLES = {"target": ("target_verify", "target_decode"), "draft": ("draft
 
 def spec_key(spec) -> str:
     """The ModelBuilder key a graph spec is traced under (eagle3_runtime.backends.neuron.nxd_key)."""
-    return nxd_key(spec.role, spec.variant)
+    return nxd_key(spec.role, spec.variant, spec.context)
 
 
 def key_role(key: str) -> str:
@@ -252,6 +252,11 @@ class ModelGraphs:
     def check_routing(self) -> None:
         """NxD routes by input shapes only, and a second bucket with the same shapes silently replaces the
         first: refuse that here, naming both graphs."""
+        if any(s.context is not None for s, _ in self.graphs):
+            raise UserError("backend neuron: buckets.context is not available yet: a context bucket's graphs take "
+                            "the same inputs as the whole-cache ones, and NxD routes a call by input shapes alone "
+                            "(NxDI's token-generation buckets differ in their attention-mask input); remove "
+                            "buckets.context from the recipe for this backend")
         seen: dict[str, str] = {}
         for key in self.keys():
             topks = {s.shape.topk for s, _ in self.graphs if spec_key(s) == key}
@@ -316,13 +321,14 @@ class NeuronKey(nn.Module):
     """One ModelBuilder key: `role` over its own weights, state and rank weight (`tensors`, a DeviceModel);
     returns the role's outputs, zeros[1] up to n_out, then the new KV cache (aliased to the state)."""
 
-    def __init__(self, role: str, tensors: DeviceModel, n_role_inputs: int, n_out: int, shape=None):
+    def __init__(self, role: str, tensors: DeviceModel, n_role_inputs: int, n_out: int, shape=None,
+                 context: int | None = None):
         super().__init__()
         self.model, self.kv, self.rank_util = tensors.model, tensors.kv, tensors.rank_util
         self.role, self.n_role_inputs, self.n_out = role, n_role_inputs, n_out
         # kept out of the module tree (a plain attribute): its parameters are the model's, named model.*
         object.__setattr__(self, "_role_module",
-                           None if role in (KV_MOVE, KV_COMPACT) else ROLE_MODULES[role](tensors.model, shape))
+                           None if role in (KV_MOVE, KV_COMPACT) else ROLE_MODULES[role](tensors.model, shape, context))
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         cache = KVCache(self.kv, functional=True)
@@ -365,9 +371,9 @@ class Key6(NeuronKey):
 KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's tracing takes explicit parameters)
 
 
-def key_module(mg: ModelGraphs, key: str, n_role_inputs: int, shape=None) -> NeuronKey:
+def key_module(mg: ModelGraphs, key: str, n_role_inputs: int, shape=None, context: int | None = None) -> NeuronKey:
     """A fresh module for one key: its own DeviceModel (nothing shared with another key's)."""
-    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg), n_role_inputs, mg.n_out, shape)
+    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg), n_role_inputs, mg.n_out, shape, context)
 
 
 def key_instance(base, make_module, n_out: int):
