@@ -176,6 +176,8 @@ def test_inspect_lists_the_menu_with_tags(menu_bundle):
     r = cli_inproc("eagle3-build", "inspect", str(menu_bundle.root))
     assert r.returncode == 0, r.stderr
     assert "menu chain K 1 [chain1], tree depth 2 topk 2 nodes 4 [tree2x2x4]" in r.stdout.replace("\n", " ")
+    assert "context buckets [16, 32] (+ the whole cache)" in r.stdout.replace("\n", " ")
+    assert "target_verify_b1_tree2x2x4_c32" in r.stdout
 
 
 @pytest.mark.parametrize("menu, where, words", [
