@@ -59,10 +59,15 @@ def spec_counters(samples: dict[tuple[str, tuple], float]) -> dict | None:
     return None
 
 
+ZERO = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}}
+
+
 def stats_between(before: dict | None, after: dict | None) -> SpecStats | None:
-    """The acceptance of what the server did between two spec_counters readings (None: no counters)."""
-    if before is None or after is None:
+    """The acceptance of what the server did between two spec_counters readings (None: no counters after;
+    none before counts as zeros: a Prometheus client shows a labelled counter only once it has counted)."""
+    if after is None:
         return None
+    before = before or ZERO
     positions = sorted(set(before["per_pos"]) | set(after["per_pos"]))
     return SpecStats(len(positions), *(int(round(after[k] - before[k])) for k in
                                        ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
@@ -75,7 +80,7 @@ def spec_delta(before: dict | None, after: dict | None) -> dict | None:
     if stats is None:
         return None
     drafted = stats.num_drafts > 0
-    positions = sorted(set(before["per_pos"]) | set(after["per_pos"]))
+    positions = sorted(set((before or ZERO)["per_pos"]) | set(after["per_pos"]))
     return {
         "metric_prefix": after.get("metric_prefix"),
         "num_drafts": stats.num_drafts,

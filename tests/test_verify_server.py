@@ -165,3 +165,27 @@ def test_vllm_serving_the_demo_pair(tmp_path, broken):
         assert not r.gate_ok and r.diagnoses[0].cause == "d2t", r.format()
     else:
         assert r.passed and r.acceptance.mean_acceptance_length > 1.4, r.format()
+
+
+def test_spec_counters_read_vllm_and_eagle3_text_and_a_counter_born_late():
+    from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta, stats_between
+
+    vllm = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+"""
+    after = spec_counters(parse_prometheus(vllm))
+    assert after["metric_prefix"] == "vllm:spec_decode_" and after["per_pos"] == {0: 7.0, 1: 4.0, 2: 1.0}
+    s = stats_between(None, after)  # (no counter shown before the first draft: zeros)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_position) == (10, 30, 12, [7, 4, 1])
+    assert s.mean_acceptance_length == pytest.approx(2.2) and spec_delta(after, after)["acceptance_length"] is None
+    assert spec_counters(parse_prometheus("eagle3_requests_total 3\n")) is None
+    ours = spec_counters(parse_prometheus('eagle3_spec_decode_num_drafts_total 2\n'
+                                          'eagle3_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 1\n'))
+    assert ours["metric_prefix"] == "eagle3_spec_decode_" and ours["num_drafts"] == 2 and ours["per_pos"] == {0: 1.0}

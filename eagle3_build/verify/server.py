@@ -89,7 +89,7 @@ def verify_server(
         acc = SpecStats(p.speculation.num_speculative_tokens)
     report = VerifyReport(bundle=f"{base} (model {served})", reference=ref_desc, dtype=p.dtype,
                           reference_dtype=ref_dtype, num_speculative_tokens=acc.k, max_tokens=max_tokens,
-                          speculation=f"served by {base}, counters {first['metric_prefix'] if first else 'none'}",
+                          speculation=f"served by {base}, counters {before['metric_prefix'] if before else 'none'}",
                           min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc,
                           acceptance_note=note, subject="server")
     if (diagnose or (diagnose is None and not report.gate_ok)) and note is None:
