@@ -49,7 +49,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     sys.exit("bench_serve.py needs httpx: pip install httpx")
 
-from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta  # noqa: E402,F401 (vs_vllm)
+from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta  # noqa: E402
 
 WORDS = (
     "the of and to in is was for that with on as by at from his her it an are were which this be or "

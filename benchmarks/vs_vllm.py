@@ -41,8 +41,10 @@ from pathlib import Path
 
 import httpx
 
+from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import Server, ServerError, parse_prometheus, server_command, spec_counters, spec_delta  # noqa: E402
+from bench_serve import Server, ServerError, server_command  # noqa: E402
 from spec_report import encode_prompts, machine, prompt_texts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))

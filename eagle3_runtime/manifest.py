@@ -437,14 +437,10 @@ def can_speculate(pos: int, depth: int, max_model_len: int) -> bool:
     return pos + depth <= max_model_len - 1
 
 
-def min_context(depth: int) -> int:
-    """The smallest context bucket worth a graph: a verify writes depth + 1 slots past its pending one."""
-    return int(depth) + 2
-
-
 def min_max_model_len(depth: int) -> int:
     """The smallest max_model_len for `depth` speculative tokens, depth + 2: the pending token sits at
-    p >= 1 (a prompt has a token) and can_speculate needs p + depth <= max_model_len - 1."""
+    p >= 1 (a prompt has a token) and can_speculate needs p + depth <= max_model_len - 1. Also the smallest
+    context bucket: the slots a verify at the first speculating position writes."""
     return int(depth) + 2
 
 
@@ -600,9 +596,9 @@ class Manifest(_Strict):
             b = getattr(self, key)
             if b != sorted(set(b)):
                 raise ValueError(f"{key} {b} must be strictly increasing")
-        if self.context_buckets and not min_context(K) <= self.context_buckets[0] <= self.context_buckets[-1] \
-                < self.max_model_len:
-            raise ValueError(f"context_buckets {self.context_buckets} must lie in {min_context(K)}.."
+        if self.context_buckets and not min_max_model_len(K) <= self.context_buckets[0] \
+                <= self.context_buckets[-1] < self.max_model_len:
+            raise ValueError(f"context_buckets {self.context_buckets} must lie in {min_max_model_len(K)}.."
                              f"{self.max_model_len - 1} (below max_model_len; the whole cache is always a graph)")
         if sorted(self.speculation) != self.batch_buckets:
             raise ValueError(f"speculation must have one shape per batch bucket {self.batch_buckets}, "

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_MENU, MAX_NODES, NO_SPECULATION, SpecShape, all_shapes,
-                                     chain, choices_problems, dynamic_tree, min_context, min_max_model_len, static_tree,
+                                     chain, choices_problems, dynamic_tree, min_max_model_len, static_tree,
                                      tree_problems)
 
 from ..buckets import default_batch_buckets
@@ -158,8 +158,8 @@ def check_buckets(merged: dict, add: Callable[..., None], deepest: tuple[int, st
             elif kind == "context" and mml is not None and b >= mml:
                 add(rel + (i,), f"context bucket {b} must be below serving.max_model_len ({mml}): the graphs over "
                                 "the whole KV cache are always built; drop it")
-            elif kind == "context" and k is not None and b < min_context(k):
-                add(rel + (i,), f"context bucket {b} is below {min_context(k)} (a verify's {k_name} + 1 KV slots "
+            elif kind == "context" and k is not None and b < min_max_model_len(k):
+                add(rel + (i,), f"context bucket {b} is below {min_max_model_len(k)} (a verify's {k_name} + 1 KV slots "
                                 "past the pending one); raise it or drop it")
             elif kind == "batch" and mns is not None and b > mns:
                 add(rel + (i,), f"batch bucket {b} exceeds serving.max_num_seqs ({mns}); its graphs could never "

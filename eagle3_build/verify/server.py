@@ -18,6 +18,7 @@ import httpx
 from eagle3_runtime.metrics import SpecStats
 from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, stats_between
 
+from ..checkpoints.load import eos_token_ids
 from ..errors import UserError
 from ..recipe import PairRecipe, load_recipe
 from .compare import check_continuation, coarser, compare
@@ -63,7 +64,8 @@ def verify_server(
         say(f"server {base}: model {served}")
         say("loading the reference target")
         ref_model, ref_desc = load_reference(None, dtype=ref_dtype, location=location)
-        eos = _eos_ids(ref_model)
+        gen = ref_model.generation_config
+        eos = eos_token_ids(ref_model.config.to_dict(), {"eos_token_id": gen.eos_token_id} if gen else None)
         tie_dtype = coarser(p.dtype, ref_dtype)
         first = counters(client, base)
         results, refs = [], []
@@ -210,12 +212,6 @@ def same_ending(ref: Reference, got: list[int], eos: list[int]) -> tuple[Referen
     if ref.ids and ref.ids[-1] in eos:
         ref = Reference(ref.ids[:-1], ref.logits[:-1])
     return ref, got[:-1] if got and got[-1] in eos else got
-
-
-def _eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    eos = model.config.eos_token_id if eos is None else eos
-    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def checkpoint_draft(p: PairRecipe, model) -> DraftUnderTest | list[Diagnosis]:
