@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eagle3_build.errors import CheckpointError
-from eagle3_build.backends.gemm import F_LINEAR, FORMS, PLAIN, pick, time_forms
+from eagle3_build.backends.gemm import F_LINEAR, PLAIN, pick, time_forms
 from eagle3_build.models.linear import SMALL_ROWS
-from eagle3_runtime.packing import pack_available
+from eagle3_runtime.packing import PACK_FORMATS, pack_available
 from eagle3_build.models.llama import llama_args
 from spec_report import machine  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> None:
         sys.exit(f"--config {args.config}: {e}")
     shapes = layer_shapes + ([] if args.no_lm_head else [head])
     weights = [torch.randn(n, k) for n, k in shapes]
-    forms = [F_LINEAR, PLAIN] + [f for f in FORMS[1:] if pack_available(f)]
+    forms = [F_LINEAR, PLAIN] + [f for f in PACK_FORMATS if pack_available(f)]  # (the target's: exact float32)
     mb = sum(w.numel() for w in weights) * 4 / 2**20
     host = machine(args.threads)
     print(f"{len(weights)} projections, {mb:.0f} MiB float32, {host['cpu']}, {args.threads} thread(s); "

@@ -428,14 +428,16 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         ins = " ".join(f"{i.name}{i.shape}" for i in g.inputs)
         t.add_row(g.name, g.role, str(g.bucket), ins, f"{g.file.size / 1e3:.0f} kB", g.file.sha256[:12])
     out_console.print(t)
-    packed = {(p.weight, p.rows, p.format) for g in m.graphs for p in g.packed}
-    if packed:  # made by the runtime at load (eagle3_runtime.packing): memory on top of the weights
-        mb = sum(math.prod(m.models[w.split("/")[0]].tensors[w.split("/", 1)[1]].shape) * 4
-                 for w, _, _ in packed) / 1e6
-        out_console.print(f"packed at load: {len(packed)} weight copies ({', '.join(sorted({f for *_, f in packed}))}) "
-                          f"for token rows {sorted({r for _, r, _ in packed})}, ~{mb:.0f} MB per rank", highlight=False)
-    from eagle3_runtime.packing import describe_choice  # (torch: not at the CLI's import)
+    from eagle3_runtime.packing import ELEMENT_BYTES, copy_key, describe_choice  # (torch: not at the CLI's import)
 
+    copies = {copy_key((p.weight, *p.fused), p.rows, p.format): p for g in m.graphs for p in g.packed}
+    if copies:  # made by the runtime at load (eagle3_runtime.packing): memory on top of the weights
+        mb = sum(math.prod(m.models[w.split("/")[0]].tensors[w.split("/", 1)[1]].shape) * ELEMENT_BYTES[p.format]
+                 for p in copies.values() for w in (p.weight, *p.fused)) / 1e6
+        rows = sorted({p.rows for g in m.graphs for p in g.packed})
+        out_console.print(f"packed at load: {len(copies)} weight copies "
+                          f"({', '.join(sorted({p.format for p in copies.values()}))}) for token rows {rows}, "
+                          f"~{mb:.0f} MB per rank", highlight=False)
     gemm = describe_choice(m.build.get("gemm"))
     if gemm:
         out_console.print(gemm, highlight=False)

@@ -163,14 +163,16 @@ def step_inputs(spec: GraphSpec, *, target_hidden: int, draft_hidden: int, dtype
 
 class BoundGraph(nn.Module):
     """What gets traced: weights arrive as a tuple input and are bound by functional_call; after them
-    come the packed copies listed in `packed` as (weight index, rows, format) (models.linear)."""
+    come the packed copies listed in `packed` as ((weight index, ...), rows, format): one copy of those
+    weights, concatenated along the output dim where there are several (models.linear)."""
 
     def __init__(self, role_module: nn.Module, weight_names: list[str]):
         super().__init__()
         self.role_module = role_module
         self.weight_names = ["m." + n for n in weight_names]
-        self.packed: list[tuple[int, int, str]] = []
-        self.packable: list[tuple[int, int]] | None = None  # a list: the next call records what packing would serve
+        self.packed: list[tuple[tuple[int, ...], int, str]] = []
+        # a list: the next call records what packing would serve, ((weight index, ...), rows)
+        self.packable: list[tuple[tuple[int, ...], int]] | None = None
 
     def forward(self, weights: tuple, kv: torch.Tensor, *inputs):
         n = len(self.weight_names)
@@ -179,11 +181,12 @@ class BoundGraph(nn.Module):
             with packed_weights([]) as seen:
                 out = torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
             index = {id(w): i for i, w in enumerate(weights[:n])}
-            self.packable[:] = sorted({(index[id(w)], rows) for w, rows in seen if id(w) in index})
+            self.packable[:] = sorted({(tuple(index[id(w)] for w in ws), rows) for ws, rows in seen
+                                       if all(id(w) in index for w in ws)})
             return out
-        table: dict[int, dict[int, tuple[str, torch.Tensor]]] = {}
-        for (i, rows, fmt), p in zip(self.packed, weights[n:]):
-            table.setdefault(id(weights[i]), {})[rows] = (fmt, p)
+        table: dict[tuple[int, ...], dict[int, tuple[str, torch.Tensor]]] = {}
+        for (idx, rows, fmt), p in zip(self.packed, weights[n:]):
+            table.setdefault(tuple(id(weights[i]) for i in idx), {})[rows] = (fmt, p)
         with packed_weights(table):
             return torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
 

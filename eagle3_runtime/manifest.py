@@ -503,11 +503,18 @@ class FileEntry(_Strict):
         return bundle_relpath(v)
 
 
+# oneDNN's packed formats: one copy may hold several weights (PackedWeight.fused), and one copy of a weight serves
+# every row count (eagle3_runtime.packing)
+ONEDNN_FORMATS = ("onednn", "onednn_bf16")
+
+
 class PackedWeight(_Strict):
     """A graph input made at load time from one of its weights (eagle3_runtime.packing)."""
     weight: str  # qualified name, one of the graph's weights
+    # more of them, concatenated after `weight` along the output dim into one copy (oneDNN formats only)
+    fused: Capped(list[str], 8) = []
     rows: Count  # the GEMM row count the packing is for
-    format: Literal["mkl_sgemm", "onednn"]  # (packing.PACK_FORMATS)
+    format: Literal["mkl_sgemm", "onednn", "onednn_bf16"]  # (packing.FORMATS)
 
 
 MAX_WEIGHTS = 1 << 16  # tensors of one model / weights of one graph (a 64-layer MoE has a few thousand)
@@ -800,12 +807,19 @@ def _check_weights(m: Manifest, g: GraphEntry, first: list[str]) -> None:
                          "graphs take them)")
     rows = ROLES[g.role].tokens_per_call(g.bucket, graph_shape(g.role, g.bucket, m.speculation, m.menu, g.shape))
     for p in g.packed:
-        spec = specs.get(p.weight)
-        if spec is None:
-            raise ValueError(f"graph {g.name}: packed weight {p.weight!r} is not one of its weights")
-        if len(spec.shape) != 2 or spec.dtype != "float32" or p.rows > rows:
-            raise ValueError(f"graph {g.name}: packed weight {p.weight!r} ({spec.dtype} {spec.shape}, {p.rows} rows): "
-                             f"packing takes 2-D float32 weights for at most the graph's {rows} token rows")
+        if p.fused and p.format not in ONEDNN_FORMATS:
+            raise ValueError(f"graph {g.name}: packed weight {p.weight!r} fuses {len(p.fused)} more in format "
+                             f"{p.format}, which takes one weight per copy")
+        for w in (p.weight, *p.fused):
+            spec = specs.get(w)
+            if spec is None:
+                raise ValueError(f"graph {g.name}: packed weight {w!r} is not one of its weights")
+            if len(spec.shape) != 2 or spec.dtype != "float32" or p.rows > rows:
+                raise ValueError(f"graph {g.name}: packed weight {w!r} ({spec.dtype} {spec.shape}, {p.rows} rows): "
+                                 f"packing takes 2-D float32 weights for at most the graph's {rows} token rows")
+            if spec.shape[1:] != specs[p.weight].shape[1:]:
+                raise ValueError(f"graph {g.name}: packed weights {p.weight!r} and {w!r} are fused but differ in "
+                                 "input width")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -1,16 +1,25 @@
 """Weights pre-packed for CPU GEMM, made at load time (manifest `GraphEntry.packed`).
 
 A bundle stores plain weights only. An aoti CPU graph built with packing takes, after its plain
-weights, one packed copy per (weight, token rows) that its projections use, in the format the build
-chose for that row count by measurement (eagle3_build/backends/gemm.py):
+weights, packed copies of the weights its projections use, in the format the build chose for the call's
+token row count by measurement (eagle3_build/backends/gemm.py):
 
   mkl_sgemm  MKL's sgemm pack for exactly that row count (`mkl._mkl_reorder_linear_weight`), which the
-             graph passes to `mkl._mkl_linear`
-  onednn     oneDNN's blocked layout for that row count (`mkldnn._reorder_linear_weight`), passed to
-             `mkldnn._linear_pointwise`; that call also takes a plain weight, so a host whose torch
-             cannot reorder, or a run with EAGLE3_RUNTIME_NO_PACK=1 (no copies: less memory), passes
-             the plain weight (same results, slower)
+             graph passes to `mkl._mkl_linear`; one copy per (weight, row count), decode-sized rows only
+  onednn     oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), passed to `mkldnn._linear_pointwise`;
+             one copy per weight serves every row count, prefill chunks included (made for ONEDNN_ROWS
+             rows: measured on an AMD EPYC, the layout made for 8 rows runs 4 to 128 rows as fast as each
+             row count's own, and 1 row faster than the 1-row layout). That call also takes a plain
+             weight, so a host whose torch cannot reorder, or a run with EAGLE3_RUNTIME_NO_PACK=1 (fewer
+             copies: less memory), passes the plain weight (same results, slower)
+  onednn_bf16  (draft projections only) the weight rounded to bfloat16 in oneDNN's blocked layout, x rounded
+             to bfloat16 for the call and the result returned in x's dtype: half the bytes a step streams,
+             native bf16 dot products where the CPU has them (AVX512_BF16, AMX). A draft's numerics only
+             choose what is proposed (verification keeps the output exact), and a draft stored in bfloat16
+             loses nothing of its weights; the build offers it only there (backends/gemm.py)
 
+Projections of one input (q, k, v; gate, up) take, in oneDNN's formats, one copy of their weights
+concatenated along the output dim (PackedWeight.fused: one GEMM instead of three, as vLLM fuses them).
 The packed layout is specific to this host's library and CPU, which is why it is made here and never
 shipped. `packed_linear` is the matching call, traced into graphs by eagle3_build/models/linear.py.
 """
@@ -21,10 +30,14 @@ from pathlib import Path
 
 import torch
 
-from .manifest import BundleError
+from .manifest import ONEDNN_FORMATS, BundleError
 
-PACK_FORMATS = ("mkl_sgemm", "onednn")
+PACK_FORMATS = ("mkl_sgemm", "onednn")  # exact float32 forms (backend_options.pack_weights names one)
+BF16 = "onednn_bf16"
+FORMATS = (*PACK_FORMATS, BF16)  # every format a graph's packed input may take (manifest PackedWeight)
+ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BF16: 2}  # per weight element, of the copy made at load
 NO_PACK = "EAGLE3_RUNTIME_NO_PACK"
+ONEDNN_ROWS = 8  # the row count oneDNN's copies are laid out for (module doc)
 
 
 def cpu_model() -> str:
@@ -46,12 +59,19 @@ def pack_available(fmt: str) -> bool:
     """Whether this torch can make `fmt`-packed copies."""
     if fmt == "mkl_sgemm":
         return torch.backends.mkl.is_available()
-    return fmt == "onednn" and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return fmt in ONEDNN_FORMATS and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def copy_key(weights: tuple[str, ...], rows: int, fmt: str) -> tuple:
+    """What identifies one packed copy: oneDNN's serve every row count, MKL's one."""
+    return (weights, fmt) if fmt in ONEDNN_FORMATS else (weights, rows, fmt)
 
 
 def pack_weight(weight: torch.Tensor, rows: int, fmt: str) -> torch.Tensor:
-    """The packed copy of a [out, in] float32 weight for GEMMs of exactly `rows` token rows."""
-    if fmt == "onednn" and onednn_available() and (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):
+    """The packed copy of a [out, in] float32 weight for GEMMs of `rows` token rows (any, for oneDNN's)."""
+    if fmt == BF16:
+        weight = weight.to(torch.bfloat16)
+    if fmt in ONEDNN_FORMATS and onednn_available() and (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):
         return weight  # (_linear_pointwise takes it as it is)
     if not pack_available(fmt):
         raise BundleError(f"this bundle's graphs take {fmt!r}-packed weights, which this torch build cannot make "
@@ -60,27 +80,38 @@ def pack_weight(weight: torch.Tensor, rows: int, fmt: str) -> torch.Tensor:
     w = weight.contiguous()
     if fmt == "mkl_sgemm":
         return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    return torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_ROWS)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                   fmt: str) -> torch.Tensor:
     """x @ weight.T (+ bias) for a 2-D x, with `packed` = pack_weight(weight, x.shape[0], fmt)."""
     if fmt == "mkl_sgemm":
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    if fmt == BF16:
+        b = None if bias is None else bias.to(torch.bfloat16)
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, b, "none", [None], "").to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
-def describe_choice(record: dict | None) -> str | None:
-    """One line on a bundle's GEMM choice (the manifest's build record "gemm"): per row count, the form
-    chosen and where it was measured, next to this host's CPU. None where there is none, or it is not the
-    record the builder writes (the build record is data: nothing in it is trusted to have a shape)."""
+def _per_rows(record) -> str | None:
     if not isinstance(record, dict) or not isinstance(record.get("rows"), dict):
         return None
-    rows = ", ".join(f"{str(r)[:8]} row{'s' if r != '1' else ''} {str(v.get('choice'))[:16]}"
-                     for r, v in list(record["rows"].items())[:64] if isinstance(v, dict))
+    return ", ".join(f"{str(r)[:8]} row{'s' if r != '1' else ''} {str(v.get('choice'))[:16]}"
+                     for r, v in list(record["rows"].items())[:64] if isinstance(v, dict)) or "none"
+
+
+def describe_choice(record: dict | None) -> str | None:
+    """One line on a bundle's GEMM choice (the manifest's build record "gemm": the target's projections, and
+    the draft's under "draft"): per row count, the form chosen and where it was measured, next to this host's
+    CPU. None where there is none, or it is not the record the builder writes (the build record is data:
+    nothing in it is trusted to have a shape)."""
+    rows = _per_rows(record)
+    if rows is None:
+        return None
+    draft = _per_rows(record.get("draft"))
     how = f"named in the recipe ({str(record['named'])[:16]})" if record.get("named") else \
         f"measured on {str(record.get('cpu'))[:80]}, {str(record.get('threads'))[:8]} thread(s)"
     here = cpu_model()
     where = "this host" if here == record.get("cpu") else f"this host is {here}: rebuild here to measure again"
-    return f"GEMM per token row count: {rows or 'none'} ({how}; {where})"
+    return f"GEMM per token row count: {rows}{f'; draft: {draft}' if draft else ''} ({how}; {where})"

@@ -11,7 +11,8 @@ import torch
 from conftest import run_cli
 from test_tp import torchrun
 
-from eagle3_runtime.packing import NO_PACK, pack_available
+from eagle3_runtime.manifest import ONEDNN_FORMATS
+from eagle3_runtime.packing import BF16, NO_PACK, pack_available
 
 PROMPT = "Once upon a time, in a land far away"
 MAX_TOKENS = 32
@@ -19,6 +20,7 @@ MAX_TOKENS = 32
 
 AOTI_RECIPE = {"buckets": {"prefill": [64]}}  # with K 1: 5 graphs per bundle (no draft_step: CI time)
 PACKING = {1: "mkl_sgemm", 2: "onednn"}  # aoti bundles at TP 1 / 2: each packing format named, where this torch has it
+DRAFT_BF16 = {2: True}  # ... and at TP 2 the draft's projections in oneDNN bfloat16 (draft_bfloat16: true)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,9 @@ def build(world, backend: str, tp: int):
     `eagle3-build compile --backend BACKEND --jobs 2` (aoti: packing as PACKING names it)."""
     recipe = AOTI_RECIPE
     if backend == "aoti" and pack_available(PACKING[tp]):
-        recipe = {**recipe, "backend": "aoti", "backend_options": {"pack_weights": PACKING[tp]}}
+        opts = {"pack_weights": PACKING[tp]} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and pack_available(BF16)
+                                               else {})
+        recipe = {**recipe, "backend": "aoti", "backend_options": opts}
     return world["tiny"].bundle(k=1, backend=backend, tp=tp, recipe=recipe, jobs=2, cli=True)
 
 
@@ -93,6 +97,8 @@ def test_aoti_tp2_under_torchrun(world):
         assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
         r = run_cli("eagle3-build", "inspect", str(aoti))
         assert r.returncode == 0 and "GEMM per token row count: 1 row onednn" in r.stdout, r.stdout[-2000:]
+        if pack_available(BF16):  # the draft's GEMMs in bfloat16: listed, and the output stays exact (above)
+            assert "; draft: 1 row onednn_bf16" in r.stdout.replace("\n", " "), r.stdout[-2000:]
 
 
 def reads_before_wait(package: Path) -> list[str]:
@@ -137,17 +143,26 @@ def test_aoti_bundle_from_a_remote_needs_a_pin_and_loads_with_one(world, tmp_pat
 
 def assert_packed_projections(m: dict) -> None:
     """float32 on CPU with the format named (PACKING): the projections of decode-sized graphs take their
-    weight packed for their row count (made at load); prefill graphs only the last position's lm_head."""
-    fmt = m["recipe"]["backend_options"].get("pack_weights")
+    weight packed for their row count (made at load); prefill graphs only the last position's lm_head with
+    MKL's format, every projection with oneDNN's (one copy serves every row count), which also fuse q/k/v
+    and gate/up into one copy each."""
+    opts = m["recipe"]["backend_options"]
+    fmt = opts.get("pack_weights")
     if fmt is None:
         return
+    draft_fmt = BF16 if opts.get("draft_bfloat16") is True else fmt
     assert {r["choice"] for r in m["build"]["gemm"]["rows"].values()} == {fmt}
+    assert {r["choice"] for r in m["build"]["gemm"]["draft"]["rows"].values()} == {draft_fmt}
     for g in m["graphs"]:
         rows = {p["rows"] for p in g["packed"]}
-        assert all(p["weight"] in g["weights"] and p["format"] == fmt for p in g["packed"])
-        if g["role"].endswith("prefill"):
+        want = draft_fmt if g["role"].startswith("draft") else fmt
+        assert all(p["weight"] in g["weights"] and p["format"] == want for p in g["packed"]), g["name"]
+        assert all(not p["fused"] for p in g["packed"]) or want in ONEDNN_FORMATS
+        if g["role"].endswith("prefill") and want not in ONEDNN_FORMATS:
             assert [p["weight"].split("/")[1] for p in g["packed"]] in ([], ["lm_head.weight"]), g["name"]
             assert rows <= {1}
+        elif g["role"].endswith("prefill"):
+            assert rows == {1, g["bucket"]}, g["name"]
         else:
             assert g["packed"] and max(rows) <= 32, g["name"]
     by_role = {g["role"]: g for g in m["graphs"] if g["bucket"] == 1}
@@ -155,8 +170,13 @@ def assert_packed_projections(m: dict) -> None:
     verify = by_role["target_verify"]
     assert {p["rows"] for p in verify["packed"]} == {verify["inputs"][1]["shape"][1]}  # the verify's nodes
     layers = m["models"]["target"]["config"]["num_layers"]
-    assert len(verify["packed"]) == 7 * layers + 1  # q k v o gate up down per layer, lm_head
-
+    if fmt in ONEDNN_FORMATS:  # q+k+v and gate+up one copy each, o, down; lm_head
+        assert len(verify["packed"]) == 4 * layers + 1
+        groups = [tuple(n.rsplit(".", 2)[-2] for n in (p["weight"], *p["fused"])) for p in verify["packed"] if p["fused"]]
+        assert sorted(set(groups)) == [("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj")]
+        assert len(groups) == 2 * layers
+    else:
+        assert len(verify["packed"]) == 7 * layers + 1  # q k v o gate up down per layer, lm_head
 
 
 def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):
@@ -201,15 +221,38 @@ def test_pack_weights_option(monkeypatch):
     shapes, rows = [(64, 32), (32, 64)], [1, 4, 64]
     on, off = AotiBackend({}), AotiBackend({"pack_weights": False})
     rec = on.pack_choice("float32", shapes, rows, None)
-    assert set(rec["rows"]) == {"1", "4"}  # (64 rows: beyond SMALL_ROWS, plain F.linear)
+    # 64 rows (a prefill chunk, beyond SMALL_ROWS): F.linear against oneDNN's copy only (one copy serves every
+    # row count; MKL's would be one more per chunk size)
+    assert set(rec["rows"]) == ({"1", "4", "64"} if pack_available("onednn") else {"1", "4"})
     assert all(v["choice"] in ("plain", "mkl_sgemm", "onednn") and "plain" in v["ms"] for v in rec["rows"].values())
+    if pack_available("onednn"):
+        assert set(rec["rows"]["64"]["ms"]) == {"plain", "onednn"}
     assert on.pack_choice("bfloat16", shapes, rows, None) is None and off.pack_choice("float32", shapes, rows, None) is None
     assert "pack_weights" not in off.key_fields("target_decode") and on.key_fields("target_decode")["pack_weights"]
     if pack_available("onednn"):
         named = AotiBackend({"pack_weights": "onednn"}).pack_choice("float32", shapes, rows, None)
         assert {v["choice"] for v in named["rows"].values()} == {"onednn"} and named["named"] == "onednn"
+        assert set(named["rows"]) == {"1", "4", "64"}
+    if pack_available("mkl_sgemm"):
+        assert set(AotiBackend({"pack_weights": "mkl_sgemm"}).pack_choice("float32", shapes, rows, None)["rows"]) == {"1", "4"}
     with pytest.raises(UserError, match="pack_weights"):
         AotiBackend({"pack_weights": "yes"})
+    # the draft's projections are measured apart; bfloat16 is a candidate only for a draft stored in it (auto)
+    d_shapes = [(128, 32), (32, 96)]
+    for stored_bf16 in (False, True):
+        rec = on.pack_choice("float32", shapes, rows, None, draft_shapes=d_shapes, draft_bf16=stored_bf16)
+        assert all(BF16 not in v["ms"] for v in rec["rows"].values())  # never the target's
+        assert set(rec["draft"]["rows"]) == set(rec["rows"])
+        assert all((BF16 in v["ms"]) == (stored_bf16 and pack_available(BF16)) for v in rec["draft"]["rows"].values())
+    never = AotiBackend({"draft_bfloat16": False}).pack_choice("float32", shapes, rows, None, d_shapes, True)
+    assert all(BF16 not in v["ms"] for v in never["draft"]["rows"].values())
+    if pack_available(BF16):
+        always = AotiBackend({"draft_bfloat16": True}).pack_choice("float32", shapes, rows, None, d_shapes, False)
+        assert {v["choice"] for v in always["draft"]["rows"].values()} == {BF16} and always["draft"]["named"] == BF16
+    with pytest.raises(UserError, match="draft_bfloat16 'yes': must be auto"):
+        AotiBackend({"draft_bfloat16": "yes"})
+    with pytest.raises(UserError, match="draft_bfloat16: true needs packed weights"):
+        AotiBackend({"draft_bfloat16": True, "pack_weights": False})
     monkeypatch.setattr(aoti_mod, "pack_available", lambda fmt: False)
     with pytest.raises(UserError, match="pack_weights mkl_sgemm: this torch cannot make"):
         AotiBackend({"pack_weights": "mkl_sgemm"})
@@ -225,7 +268,9 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     assert sum(o * i * 4 for o, i in cut) <= gemm.MAX_BYTES and (100, 4096) in cut and cut.count((4096, 4096)) == 15
     formats = [f for f in ("mkl_sgemm", "onednn") if pack_available(f)]
     first = gemm.choose([(64, 32)] * 4, [1, 2, 99], formats, tmp_path)
-    assert set(first["rows"]) == {"1", "2"} and list((tmp_path / "host").glob("gemm-*.json"))
+    assert set(first["rows"]) == {"1", "2"} | ({"99"} if "onednn" in formats else set())
+    assert list((tmp_path / "host").glob("gemm-*.json"))
+    assert set(gemm.choose([(64, 32)], [1, 99], [f for f in formats if f == "mkl_sgemm"], None)["rows"]) == {"1"}
     monkeypatch.setattr(gemm, "time_forms", lambda *a, **k: pytest.fail("measured again"))
-    assert gemm.choose([(64, 32)] * 4, [2, 1], formats, tmp_path) == first
+    assert gemm.choose([(64, 32)] * 4, [99, 2, 1], formats, tmp_path) == first
     assert gemm.choices({"rows": {"1": {"choice": "plain"}, "8": {"choice": "onednn"}}}) == {8: "onednn"}

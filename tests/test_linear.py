@@ -48,3 +48,74 @@ def test_single_row_traces_a_two_column_gemm():
     assert len(mms) == 1 and tuple(mms[0].args[1].meta["val"].shape) == (24, 2)
     x = torch.randn(1, 1, 24)
     torch.testing.assert_close(ep.module()(x), F.linear(x, mod.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, no_pack", [("mkl_sgemm", False), ("onednn", False), ("onednn", True),
+                                           ("onednn_bf16", False), ("onednn_bf16", True)])
+def test_packed_forms_compute_the_projection(fmt, no_pack, monkeypatch):
+    """Every packed form computes x @ W.T (+ b) in x's dtype: the exact ones to float32 rounding, the draft's
+    bfloat16 one to bfloat16's (x and W rounded; float32 accumulation); without packing (NO_PACK) oneDNN's
+    forms take the plain weight (in bfloat16 for the bf16 form) and give the same result."""
+    from eagle3_runtime.packing import NO_PACK, pack_available, pack_weight, packed_linear
+
+    if not pack_available(fmt):
+        pytest.skip(f"{fmt} is not made by this torch")
+    monkeypatch.setenv(NO_PACK, "1" if no_pack else "0")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 64), torch.randn(96, 64), torch.randn(96)
+    p = pack_weight(w, 4, fmt)
+    assert p.dtype == (torch.bfloat16 if fmt == "onednn_bf16" else torch.float32)
+    y = packed_linear(x, p, w, b, fmt)
+    assert y.dtype == torch.float32 and y.shape == (4, 96)
+    if fmt == "onednn_bf16":
+        want = F.linear(x.bfloat16().float(), w.bfloat16().float(), b.bfloat16().float())
+        torch.testing.assert_close(y, want, rtol=2e-2, atol=5e-2)
+        assert (y - F.linear(x, w, b)).abs().max() > 1e-4  # (really computed in bfloat16)
+    else:
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_projections_of_one_input_share_one_fused_copy():
+    """`linears` (q/k/v, gate/up): while finding what packing serves, the group is recorded as one entry; given
+    one oneDNN copy of the concatenated weights it computes every projection in one GEMM, equal to each one's
+    F.linear; with no such copy (a format that does not fuse) each takes its own path; without packing (no
+    table), or with a bias, it is each layer's forward."""
+    from eagle3_build.models.linear import packed_weights, linears
+    from eagle3_runtime.packing import pack_available, pack_weight
+
+    torch.manual_seed(0)
+    layers = [Linear(24, n, bias=False) for n in (40, 8, 8)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight)
+    x = torch.randn(1, 4, 24)
+    want = [F.linear(x, layer.weight) for layer in layers]
+    with torch.no_grad():
+        for g, w in zip(linears(x, *layers), want):  # no table: each layer
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        with packed_weights([]) as seen:
+            linears(x, *layers)
+        assert [(tuple(id(w) for w in ws), rows) for ws, rows in seen] == [(tuple(id(layer.weight) for layer in layers), 4)]
+        if pack_available("onednn"):
+            copy = pack_weight(torch.cat([layer.weight for layer in layers]), 4, "onednn")
+            with packed_weights({tuple(id(layer.weight) for layer in layers): {4: ("onednn", copy)}}):
+                got = linears(x, *layers)
+            assert [g.shape for g in got] == [(1, 4, 40), (1, 4, 8), (1, 4, 8)]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+            with packed_weights({}):  # not fused for these rows: each weight-stationary
+                for g, w in zip(linears(x, *layers), want):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        biased = [Linear(24, 8, bias=True), Linear(24, 8, bias=True)]
+        with packed_weights([]) as seen:
+            linears(x, *biased)
+        assert [len(ws) for ws, _ in seen] == [1, 1]  # (with a bias: each on its own)
+
+
+def test_one_onednn_copy_serves_every_row_count():
+    """The runtime makes one oneDNN copy per weight (or fused group) for every row count, MKL's one per row count."""
+    from eagle3_runtime.packing import copy_key
+
+    assert copy_key(("t/q", "t/k"), 4, "onednn") == copy_key(("t/q", "t/k"), 64, "onednn")
+    assert copy_key(("d/fc",), 1, "onednn_bf16") == copy_key(("d/fc",), 5, "onednn_bf16")
+    assert copy_key(("t/q",), 4, "onednn") != copy_key(("t/q", "t/k"), 4, "onednn")
+    assert copy_key(("t/q",), 4, "mkl_sgemm") != copy_key(("t/q",), 5, "mkl_sgemm")

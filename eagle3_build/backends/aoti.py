@@ -24,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from eagle3_runtime.manifest import GRAPH_FORMATS, dtype_name
-from eagle3_runtime.packing import PACK_FORMATS, pack_available
+from eagle3_runtime.packing import BF16, PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
@@ -61,6 +61,17 @@ class AotiBackend(PerGraphBackend):
         if isinstance(self.pack_weights, str) and not pack_available(self.pack_weights):
             raise UserError(f"backend_options.pack_weights {self.pack_weights}: this torch cannot make such packed "
                             "weights; use true (the fastest available, measured) or false")
+        self.draft_bfloat16 = opts.pop("draft_bfloat16", "auto")
+        if self.draft_bfloat16 not in ("auto", True, False):
+            raise UserError(f"backend_options.draft_bfloat16 {self.draft_bfloat16!r}: must be auto (a candidate GEMM "
+                            "for the draft's projections, measured, when its checkpoint stores bfloat16), true "
+                            "(always) or false (never)")
+        if self.draft_bfloat16 is True and not self.pack_weights:
+            raise UserError("backend_options.draft_bfloat16: true needs packed weights: set pack_weights to true "
+                            "(or a format), or draft_bfloat16 to auto or false")
+        if self.draft_bfloat16 is True and not pack_available(BF16):
+            raise UserError("backend_options.draft_bfloat16: true: this torch cannot make oneDNN bfloat16 weights "
+                            "(x86 torch with oneDNN needed); use auto or false")
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
 
     def version(self) -> str:
@@ -79,16 +90,28 @@ class AotiBackend(PerGraphBackend):
                   "line_tables": False}
         return {**fields, "pack_weights": True} if self.pack_weights else fields  # (unpacked: the old keys)
 
-    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int],
-                    cache_dir: Path | None) -> dict | None:
+    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
+                    draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:
         """float32 projections of decode-sized graphs on CPU take packed weights (made by the runtime at
         load: eagle3_runtime.packing): per row count the fastest of plain and every format this torch can
-        make, measured here (gemm.choose), or the format pack_weights names; none with pack_weights: false."""
+        make, measured here (gemm.choose), or the format pack_weights names; none with pack_weights: false.
+        The draft's projections are measured apart, over its own shapes, with bfloat16 among the candidates
+        where draft_bfloat16 allows it (auto: its checkpoint stores bfloat16); true names bfloat16."""
         if not self.pack_weights or self.device != "cpu" or dtype != "float32":
             return None
-        if self.pack_weights is True:
-            return gemm.choose(shapes, rows, [f for f in PACK_FORMATS if pack_available(f)], cache_dir)
-        return gemm.named(self.pack_weights, rows)
+        exact = [f for f in PACK_FORMATS if pack_available(f)]
+
+        def record(shapes_, bf16):
+            if bf16 and self.draft_bfloat16 is True:
+                return gemm.named(BF16, rows)
+            if self.pack_weights is True:
+                return gemm.choose(shapes_, rows, exact + ([BF16] if bf16 and pack_available(BF16) else []), cache_dir)
+            return gemm.named(self.pack_weights, rows)
+
+        out = record(shapes, False)
+        if draft_shapes is not None:
+            out["draft"] = record(draft_shapes, self.draft_bfloat16 is True or (self.draft_bfloat16 == "auto" and draft_bf16))
+        return out
 
     def toolchain(self) -> dict[str, str]:
         return {"aoti_device": self.device, "aoti_target": self.target()}

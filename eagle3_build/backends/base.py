@@ -136,10 +136,11 @@ class Backend(abc.ABC):
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per compile worker) before the first compile."""
 
-    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int],
-                    cache_dir: Path | None) -> dict | None:
+    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
+                    draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:
         """Which eagle3_runtime.packing format decode-sized projections take their weights in, per token row
-        count (a backends/gemm.py `choose` record); None: plain weights only."""
+        count (a backends/gemm.py `choose` record for the target's `shapes`, the draft's under "draft";
+        `draft_bf16`: the draft checkpoint stores bfloat16); None: plain weights only."""
         return None
 
     def output_specs(self, module, example_args: tuple) -> list[tuple[list[int], object]]:

@@ -1,10 +1,12 @@
-"""Which GEMM the decode-sized float32 projections of CPU graphs take, chosen by measurement on this host.
+"""Which GEMM the float32 projections of CPU graphs take, chosen by measurement on this host.
 
-For every token row count the graphs' projections use (models/linear.py: at most SMALL_ROWS), the forms
-this torch offers are timed side by side over the target's own projection shapes (rank-local, as many
-weights as fit in MAX_BYTES, so they stream from memory as they do when served): "plain" (linear's
-weight-stationary mm on the plain weight) and each packing of eagle3_runtime.packing that can be made
-here (MKL's sgemm pack, oneDNN's blocked layout). The fastest wins unless it beats the form before it in
+For every token row count the graphs' projections use (decode-sized ones, and prefill chunks where a format
+serves them: forms_for), the forms this torch offers are timed side by side over the target's own
+projection shapes (rank-local, as many weights as fit in MAX_BYTES, so they stream from memory as they do
+when served): "plain" (what linear does unpacked: a weight-stationary mm up to SMALL_ROWS rows, F.linear
+beyond) and each packing of eagle3_runtime.packing that can be made
+here (MKL's sgemm pack, oneDNN's blocked layout; for a draft stored in bfloat16, oneDNN's bfloat16 GEMM
+too, measured over the draft's own shapes). The fastest wins unless it beats the form before it in
 FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key).
 
 Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch,
@@ -23,17 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_runtime.packing import PACK_FORMATS, cpu_model, pack_weight, packed_linear
+from eagle3_runtime.manifest import ONEDNN_FORMATS
+from eagle3_runtime.packing import FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
 from ..files import atomic_write
-from ..models.linear import SMALL_ROWS, weight_stationary
+from ..models.linear import SMALL_ROWS, linear
 
 PLAIN = "plain"
-FORMS = (PLAIN, *PACK_FORMATS)
+FORMS = (PLAIN, *FORMATS)
 F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: measured by benchmarks/linear_layout.py, never chosen)
 MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
 MARGIN = 0.03
-REPEATS = 9
+REPEATS = 25  # per decode-sized row count (AMD EPYC, 2 threads: at 9 the 1-row medians of plain and oneDNN
+# swapped order between runs, at 25 they held); 3 per prefill-sized one (each pass is 10-100x longer)
 
 
 def projection_shapes(model: nn.Module) -> list[tuple[int, int]]:
@@ -62,8 +66,8 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
     xs = {w.shape[1]: torch.rand(rows, w.shape[1]) for w in weights}
     calls = {}
     for form in forms:
-        if form == PLAIN:
-            calls[form] = [(lambda x, w=w: weight_stationary(x, w)) for w in weights]
+        if form == PLAIN:  # (what linear does unpacked: weight-stationary up to SMALL_ROWS rows, else F.linear)
+            calls[form] = [(lambda x, w=w: linear(x, w)) for w in weights]
         elif form == F_LINEAR:
             calls[form] = [(lambda x, w=w: F.linear(x, w)) for w in weights]
         else:
@@ -88,15 +92,22 @@ def pick(ms: dict[str, float]) -> str:
     return next(f for f in order if ms[f] <= ms[best] * (1 + MARGIN))
 
 
+def forms_for(rows: int, formats: list[str]) -> list[str]:
+    """The candidates at a row count: "plain" and `formats`; beyond SMALL_ROWS (prefill chunks) only the formats
+    whose one copy serves every row count (oneDNN's: an MKL copy per prefill bucket would cost the weights'
+    size again for each)."""
+    return [PLAIN, *(f for f in formats if rows <= SMALL_ROWS or f in ONEDNN_FORMATS)]
+
+
 def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None) -> dict:
     """{"cpu", "threads", "torch", "rows": {"R": {"choice": form, "ms": {form: ms}}}} for every row count
-    in `rows` that linear packs (<= SMALL_ROWS), among "plain" and `formats`; memoised in cache_dir."""
-    rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS})
+    in `rows` with a candidate besides "plain" (forms_for); memoised in cache_dir."""
+    rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS or (r > SMALL_ROWS and len(forms_for(r, formats)) > 1)})
     shapes = fit(shapes)
-    forms = [PLAIN, *formats]
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-             "capability": torch.backends.cpu.get_cpu_capability(), "forms": forms, "rows": rows,
-             "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes})}
+             "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats], "rows": rows,
+             "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
+             "repeats": REPEATS}
     path = None
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
@@ -108,7 +119,9 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if rows and formats else []
     out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
     for r in rows:
-        ms = time_forms(shapes, r, forms, weights=weights) if formats else {PLAIN: 0.0}
+        forms = forms_for(r, formats)
+        ms = time_forms(shapes, r, forms, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights) \
+            if len(forms) > 1 else {PLAIN: 0.0}
         out["rows"][str(r)] = {"choice": pick(ms), "ms": ms}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,9 +130,10 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
 
 
 def named(fmt: str, rows: list[int]) -> dict:
-    """A `choose` record that gives every packable row count the format `fmt` (nothing measured)."""
+    """A `choose` record that gives every row count `fmt` serves (forms_for) the format `fmt` (nothing measured)."""
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__, "named": fmt,
-            "rows": {str(r): {"choice": fmt, "ms": {}} for r in sorted({r for r in rows if 0 < r <= SMALL_ROWS})}}
+            "rows": {str(r): {"choice": fmt, "ms": {}} for r in sorted({r for r in rows if r > 0})
+                     if fmt in forms_for(r, [fmt])}}
 
 
 def choices(record: dict | None) -> dict[int, str]:

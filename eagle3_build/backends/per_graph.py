@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import (GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name, file_entry,
-                                     torch_dtype)
+from eagle3_runtime.manifest import (ONEDNN_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name,
+                                     file_entry, torch_dtype)
 from eagle3_runtime.packing import pack_weight
 
 from ..compile.cache import FETCH_TRIES, CompileCache, graph_key, trace_key, vanishing
@@ -40,9 +40,15 @@ class TracedGraph:
 
 
 @functools.lru_cache(maxsize=None)
-def packed_shape(shape: tuple[int, ...], rows: int, fmt: str) -> list[int]:
-    """The shape of a packed copy (what the runtime's pack_weight makes on this host)."""
-    return list(pack_weight(torch.empty(shape), rows, fmt).shape)
+def _packed_meta(shape: tuple[int, ...], rows: int, fmt: str) -> tuple[tuple[int, ...], torch.dtype]:
+    p = pack_weight(torch.empty(shape), rows, fmt)
+    return tuple(p.shape), p.dtype
+
+
+def packed_example(shape: tuple[int, ...], rows: int, fmt: str) -> torch.Tensor:
+    """A stand-in of a packed copy: the shape and dtype the runtime's pack_weight makes on this host."""
+    shape_, dtype = _packed_meta(shape, rows, fmt)
+    return torch.empty(shape_, dtype=dtype)
 
 
 def pack_record(bm: BuildModels, backend, cache: CompileCache) -> dict | None:
@@ -50,7 +56,9 @@ def pack_record(bm: BuildModels, backend, cache: CompileCache) -> dict | None:
     counts of the whole plan (every shard of a build gets the same), measured once per host."""
     pair = bm.lp.pair
     rows = {1, *pair.buckets.batch} | {s.tokens_per_call() for s in graph_plan(pair)}
-    return backend.pack_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]), sorted(rows), cache.root)
+    return backend.pack_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]), sorted(rows), cache.root,
+                               draft_shapes=gemm.projection_shapes(bm.models["draft"][0]),
+                               draft_bf16=bm.lp.draft.stored_dtype() == torch.bfloat16)
 
 
 def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[GraphSpec] | None = None):
@@ -65,9 +73,10 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
-    pack = gemm.choices(pack_record(bm, backend, cache))  # rows -> format
+    record = pack_record(bm, backend, cache)
+    packs = {"target": gemm.choices(record), "draft": gemm.choices((record or {}).get("draft"))}  # rows -> format
     for spec in (specs if specs is not None else graph_plan(pair)):
-        model = bm.models[spec.model][0]
+        model, pack = bm.models[spec.model][0], packs[spec.model]
         fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {})}
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
@@ -95,11 +104,13 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
                                f"{[[o.shape, o.dtype] for o in outputs]}")
         packed = []
         if pack:  # the projections that packing serves take their packed copy as an extra input
-            module.packed = [(i, rows, pack[rows]) for i, rows in module.packable if rows in pack]
+            module.packed = [(group, rows, pack[rows]) for idx, rows in module.packable if rows in pack
+                             for group in ([idx] if pack[rows] in ONEDNN_FORMATS else [(i,) for i in idx])]
             module.packable = None
-            weights += tuple(torch.empty(packed_shape(tuple(weights[i].shape), rows, fmt))
-                             for i, rows, fmt in module.packed)
-            packed = [PackedWeight(weight=qnames[i], rows=rows, format=fmt) for i, rows, fmt in module.packed]
+            weights += tuple(packed_example((sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]), rows, fmt)
+                             for idx, rows, fmt in module.packed)
+            packed = [PackedWeight(weight=qnames[idx[0]], fused=[qnames[i] for i in idx[1:]], rows=rows, format=fmt)
+                      for idx, rows, fmt in module.packed]
         ep = torch.export.export(module, (weights, kv, *example), strict=False)
         key = graph_key(ep, fields)
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs],
@@ -116,6 +127,7 @@ def compile_graphs(bm: BuildModels, backend, cache: CompileCache, jobs: int | No
     pair = bm.lp.pair
     specs = specs if specs is not None else graph_plan(pair)
     n_jobs = jobs or default_jobs(backend, len(specs))
+    pack_record(bm, backend, cache)  # (timed, or read back, before the compile workers start sharing the CPU)
     sched = Scheduler(backend, pair.backend_options, cache, n_jobs, report, tp=pair.parallel.tp_degree,
                       require_cached=require_cached)
     report({"event": "stage", "stage": "graphs", "total": len(specs), "jobs": n_jobs})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UserError
 from ..models.eagle3 import Eagle3Args
 from ..models.gpt_oss import GptOssArgs, gpt_oss_args
 from ..models.llama import LlamaArgs, llama_args, rope_params
@@ -198,6 +198,16 @@ class DraftCheckpoint:
     has_embed: bool
     notes: list[str] = field(default_factory=list)
     meta_models: dict = field(default_factory=dict, repr=False, compare=False)  # layout -> model (pair.build_draft)
+
+    def stored_dtype(self) -> torch.dtype | None:
+        """The dtype the checkpoint stores the draft's lm_head in (one row read); None where unreadable
+        (`plan` has no tensors)."""
+        if "lm_head.weight" not in self.tensors:
+            return None
+        try:
+            return self.tensors.get_rows("lm_head.weight", 0, 1).dtype
+        except UserError:  # (CheckpointError too)
+            return None
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

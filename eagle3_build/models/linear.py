@@ -7,9 +7,12 @@ speed). More rows, and every other dtype (bf16 goes to oneDNN, where F.linear is
 row count), keep F.linear. Why, and the measurements: docs/linear-layout.md.
 
 Where the backend packs weights (aoti on CPU, float32), a weight with a packed copy for the call's row
-count goes to that copy's GEMM instead (eagle3_runtime.packing: MKL's or oneDNN's, whichever the build
-measured faster for that row count on its host); the copies are graph inputs made by the runtime at load,
-bound here by tensor identity while tracing (`packed_weights`).
+count (decode-sized, and with oneDNN's formats prefill chunks too) goes to that copy's GEMM instead
+(eagle3_runtime.packing: MKL's or oneDNN's, whichever the build measured faster for that row count on its
+host); the copies are graph inputs made by the runtime at load,
+bound here by tensor identity while tracing (`packed_weights`). Projections that read the same input (q, k,
+v; gate, up) go through `linears`: with oneDNN's formats one copy of their concatenated weights serves them
+in one GEMM.
 """
 from __future__ import annotations
 
@@ -25,15 +28,16 @@ from eagle3_runtime.packing import packed_linear
 SMALL_ROWS = 32  # covers max_num_seqs x tree nodes of the demo's verify graphs (docs/linear-layout.md)
 
 
-# id(weight) -> {rows: (format, packed copy)} while tracing with packed inputs; a list collecting
-# (weight, rows) while finding which projections take them
+# (id(weight), ...) -> {rows: (format, packed copy)} while tracing with packed inputs (a key of several ids: one
+# copy of those weights concatenated along the output dim); a list collecting ((weight, ...), rows) while finding
+# which projections take them
 _PACKED: contextvars.ContextVar[dict | list | None] = contextvars.ContextVar("packed_weights", default=None)
 
 
 @contextlib.contextmanager
 def packed_weights(table: dict | list):
-    """Inside: `linear` uses the (format, copy) at table[id(weight)][rows] where present, or, given a list, appends
-    (weight, rows) for every projection that packing would serve."""
+    """Inside: `linear` / `linears` use the (format, copy) at table[(id(weight), ...)][rows] where present, or,
+    given a list, append ((weight, ...), rows) for every projection (group) that packing would serve."""
     token = _PACKED.set(table)
     try:
         yield table
@@ -41,21 +45,51 @@ def packed_weights(table: dict | list):
         _PACKED.reset(token)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); weight-stationary when a float32 x has at most SMALL_ROWS rows (module doc)."""
+def _float_rows(x: torch.Tensor) -> int:
+    """x's token rows where packing may serve it (float32), else 0."""
+    k = x.shape[-1]
+    return x.numel() // k if k and x.dtype == torch.float32 else 0
+
+
+def _unpacked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if x.dtype != torch.float32 or not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
-    table = _PACKED.get()
-    if isinstance(table, list):
-        table.append((weight, rows))
-    elif table is not None and rows in table.get(id(weight), {}):
-        fmt, packed = table[id(weight)][rows]
-        y = packed_linear(x.reshape(rows, k), packed, weight, bias, fmt)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
     y = weight_stationary(x, weight)
     return y if bias is None else y + bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); weight-stationary when a float32 x has at most SMALL_ROWS rows, or the packed
+    copy bound for x's row count (module doc)."""
+    rows, table = _float_rows(x), _PACKED.get()
+    if rows and isinstance(table, list):
+        table.append(((weight,), rows))
+    elif rows and table is not None and rows in table.get((id(weight),), {}):
+        fmt, packed = table[(id(weight),)][rows]
+        y = packed_linear(x.reshape(rows, x.shape[-1]), packed, weight, bias, fmt)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _unpacked(x, weight, bias)
+
+
+def linears(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """Each bias-free layer applied to x, as ONE GEMM over their weights concatenated along the output dim where
+    the backend packed them together (vLLM's QKVParallelLinear / MergedColumnParallelLinear; here the fused
+    copy is made at load, the bundle keeps the weights apart), one each otherwise."""
+    rows, table = _float_rows(x), _PACKED.get()
+    weights = tuple(layer.weight for layer in layers)
+    if not rows or table is None or any(layer.bias is not None for layer in layers):
+        return tuple(layer(x) for layer in layers)
+    if isinstance(table, list):
+        table.append((weights, rows))
+        return tuple(_unpacked(x, w, None) for w in weights)
+    key = tuple(id(w) for w in weights)
+    if rows not in table.get(key, {}):  # (a format that does not fuse: each weight's own copy)
+        return tuple(layer(x) for layer in layers)
+    fmt, packed = table[key][rows]
+    y = packed_linear(x.reshape(rows, x.shape[-1]), packed, None, None, fmt)
+    return tuple(t.reshape(*x.shape[:-1], t.shape[-1]) for t in y.split([w.shape[0] for w in weights], dim=-1))
 
 
 def weight_stationary(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

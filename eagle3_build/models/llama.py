@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .layout import Layout
-from .linear import Linear, linear
+from .linear import Linear, linear, linears
 
 
 @dataclass(frozen=True)
@@ -316,9 +316,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, at: Where):
         b, T, _ = x.shape
-        q = self.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attend(q, k, v, cache, layer, at)
         return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
@@ -333,7 +334,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):

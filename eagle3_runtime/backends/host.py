@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..manifest import BundleError, GraphEntry, Manifest, PackedWeight
-from ..packing import pack_weight
+from ..packing import copy_key, pack_weight
 from ..reader import bundle_file
 from .base import DTYPES, Graph, GraphFn, RuntimeBackend, TPContext, world_size
 
@@ -51,7 +51,7 @@ class HostBackend(RuntimeBackend):
             for k, v in tensors.items():
                 self.weights[f"{name}/{k}"] = v
         self.state = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in m.state}
-        self.packed: dict[tuple[str, int, str], torch.Tensor] = {}
+        self.packed: dict[tuple, torch.Tensor] = {}
         rank_t = torch.tensor([rank], dtype=torch.int64)
         for g in m.graphs:
             weights = tuple(self.weights[w] for w in g.weights) + tuple(self._packed(p) for p in g.packed)
@@ -61,10 +61,12 @@ class HostBackend(RuntimeBackend):
         self.target_kv = self.state[m.state_of("target")]
 
     def _packed(self, p: PackedWeight) -> torch.Tensor:
-        """A packed copy made once per (weight, rows, format) and shared by every graph that takes it."""
-        key = (p.weight, p.rows, p.format)
+        """A packed copy made once (packing.copy_key) and shared by every graph that takes it; fused weights are
+        concatenated along the output dim first."""
+        key = copy_key((p.weight, *p.fused), p.rows, p.format)
         if key not in self.packed:
-            self.packed[key] = pack_weight(self.weights[p.weight], p.rows, p.format)
+            w = torch.cat([self.weights[n] for n in (p.weight, *p.fused)]) if p.fused else self.weights[p.weight]
+            self.packed[key] = pack_weight(w, p.rows, p.format)
         return self.packed[key]
 
     def copy_kv_row(self, src: int, dst: int) -> None:
