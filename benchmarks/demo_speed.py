@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -38,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle3_build.verify.reference import target_location
     from eagle3_runtime.reader import read_manifest
+    from eagle3_runtime.packing import cpu_model
     from eagle3_runtime.tp import set_threads
 
     load_at_start = round(os.getloadavg()[0], 2)  # other work on the host skews both figures
@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a == b for a, b in zip(rt.pop("_tokens"), hf_tokens))
     res = {"bundle": str(args.bundle), "backend": manifest.backend, "threads": threads, "chat": chat,
            "prompts": len(prompts), "max_tokens": args.max_tokens, "load_avg_1m_at_start": load_at_start,
-           "cpu": platform.processor() or platform.machine(), "runtime": rt, "transformers_eager": hf,
+           "cpu": cpu_model(), "runtime": rt, "transformers_eager": hf,
            "runtime_vs_eager": round(rt["spec"]["decode_tok_s"] / hf["decode_tok_s"], 3),
            "plain_equals_eager": f"{same}/{len(prompts)}"}
     acc = rt["acceptance"]
-    print(f"\n== decode speed, {len(prompts)} held-out chat prompts x {args.max_tokens} tokens, {threads} threads, "
+    print(f"\n== decode speed, {len(prompts)} held-out chat prompts x {args.max_tokens} tokens, {threads} threads "
+          f"on {res['cpu']}, "
           f"{manifest.backend} backend (1-min load average at start {load_at_start})")
     print(f"  {'eagle3 runtime, speculative:':32}{rt['spec']['decode_tok_s']:7.1f} tok/s   "
           f"({rt['shape']['describe']}, "
