@@ -273,4 +273,31 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     assert set(gemm.choose([(64, 32)], [1, 99], [f for f in formats if f == "mkl_sgemm"], None)["rows"]) == {"1"}
     monkeypatch.setattr(gemm, "time_forms", lambda *a, **k: pytest.fail("measured again"))
     assert gemm.choose([(64, 32)] * 4, [99, 2, 1], formats, tmp_path) == first
+    measured = []  # a new row count (a new bucket) measures that row count only; the others keep their choice
+    monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(r) or {f: 1.0 for f in forms})
+    grown = gemm.choose([(64, 32)] * 4, [1, 2, 3, 99], formats, tmp_path)
+    assert measured == [3] and {r: grown["rows"][r] for r in first["rows"]} == first["rows"]
+    assert gemm.choose([(64, 32)] * 4, [3], formats, tmp_path)["rows"] == {"3": grown["rows"]["3"]}
     assert gemm.choices({"rows": {"1": {"choice": "plain"}, "8": {"choice": "onednn"}}}) == {8: "onednn"}
+
+
+@pytest.mark.skipif(not pack_available("onednn"), reason="this torch has no oneDNN packing")
+def test_a_new_prefill_bucket_rekeys_its_own_graphs_only(world, tmp_path):
+    """A graph's key names the GEMM choice of the row counts its projections use (graph_rows), not of every
+    row count of the plan: a bucket added to the recipe compiles that bucket's graphs, no other."""
+    from eagle3_build.backends.aoti import AotiBackend
+    from eagle3_build.compile.cache import CompileCache
+    from eagle3_build.pair import build_models, load_pair
+    from eagle3_build.recipe import load_recipe
+
+    (pair,) = load_recipe(world["tiny"].pair()).pairs
+    opts = {"pack_weights": "onednn"}
+    keys = {}
+    for prefill in ([16, 64], [16, 48, 64]):
+        p = pair.model_copy(update={"backend": "aoti", "backend_options": opts,
+                                    "buckets": pair.buckets.model_copy(update={"prefill": prefill})})
+        keys[len(prefill)] = AotiBackend.plan_keys(build_models(load_pair(p)), AotiBackend(opts),
+                                                   CompileCache(tmp_path / "cache"))
+    new = set(keys[3]) - set(keys[2])
+    assert new and all("48" in g for g in new)
+    assert {g: keys[3][g] for g in keys[2]} == keys[2]

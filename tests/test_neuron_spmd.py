@@ -142,7 +142,7 @@ def old_design_graph(tmp_path, tp):
     pair = neuron_pair(tmp_path, tp).model_copy(update={"backend": "export"})
     bm = build_models(load_pair(pair))
     with tracing_process_group(tp):
-        (tg,) = list(trace_graphs(bm, ExportBackend(), CompileCache(tmp_path / "cache"), [GraphSpec("target_decode", 1, pair.speculation.shapes[1])]))
+        (tg,) = list(trace_graphs(bm, ExportBackend(), CompileCache(tmp_path / "cache"), None, [GraphSpec("target_decode", 1, pair.speculation.shapes[1])]))
     return tg.job.ep
 
 

@@ -9,8 +9,8 @@ here (MKL's sgemm pack, oneDNN's blocked layout; for a draft stored in bfloat16,
 too, measured over the draft's own shapes). The fastest wins unless it beats the form before it in
 FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key).
 
-Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch,
-shapes and row counts, so a host measures once; the manifest's build record keeps it (`inspect` prints
+Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch and
+shapes, per row count, so a host measures each once; the manifest's build record keeps it (`inspect` prints
 it; the runtime says so at load when it runs on another CPU than the one that chose).
 """
 from __future__ import annotations
@@ -101,32 +101,34 @@ def forms_for(rows: int, formats: list[str]) -> list[str]:
 
 def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None) -> dict:
     """{"cpu", "threads", "torch", "rows": {"R": {"choice": form, "ms": {form: ms}}}} for every row count
-    in `rows` with a candidate besides "plain" (forms_for); memoised in cache_dir."""
+    in `rows` with a candidate besides "plain" (forms_for); memoised in cache_dir per row count (a new bucket
+    measures its own row count only: the others keep their choice, and the graphs their cache keys)."""
     rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS or (r > SMALL_ROWS and len(forms_for(r, formats)) > 1)})
     shapes = fit(shapes)
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-             "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats], "rows": rows,
+             "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats],
              "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
              "repeats": REPEATS}
-    path = None
+    out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
+    path, known = None, {}
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
         path = Path(cache_dir) / "host" / f"gemm-{digest}.json"
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
-    weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if rows and formats else []
-    out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
-    for r in rows:
+            known = json.loads(path.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError):
+            known = {}
+    missing = [r for r in rows if str(r) not in known]
+    weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if missing and formats else []
+    for r in missing:
         forms = forms_for(r, formats)
         ms = time_forms(shapes, r, forms, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights) \
             if len(forms) > 1 else {PLAIN: 0.0}
-        out["rows"][str(r)] = {"choice": pick(ms), "ms": ms}
-    if path is not None:
+        known[str(r)] = {"choice": pick(ms), "ms": ms}
+    if path is not None and missing:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(out, indent=1))
-    return out
+        atomic_write(path, json.dumps({**out, "rows": known}, indent=1))
+    return {**out, "rows": {str(r): known[str(r)] for r in rows}}
 
 
 def named(fmt: str, rows: list[int]) -> dict:

@@ -55,16 +55,24 @@ def pack_record(bm: BuildModels, backend, cache: CompileCache) -> dict | None:
     """The backend's packing choice per token row count for this pair (backends/gemm.py), over the row
     counts of the whole plan (every shard of a build gets the same), measured once per host."""
     pair = bm.lp.pair
-    rows = {1, *pair.buckets.batch} | {s.tokens_per_call() for s in graph_plan(pair)}
+    rows = set().union(*(graph_rows(pair, s) for s in graph_plan(pair)))
     return backend.pack_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]), sorted(rows), cache.root,
                                draft_shapes=gemm.projection_shapes(bm.models["draft"][0]),
                                draft_bf16=bm.lp.draft.stored_dtype() == torch.bfloat16)
 
 
-def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[GraphSpec] | None = None):
+def graph_rows(pair: PairRecipe, spec: GraphSpec) -> set[int]:
+    """The token row counts a graph's projections may use: its tokens per call, and 1 or a batch bucket up
+    to that (the rows that leave a graph for the lm_head); its key names the GEMM choice of these only."""
+    n = spec.tokens_per_call()
+    return {n} | {r for r in (1, *pair.buckets.batch) if r <= n}
+
+
+def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | None,
+                 specs: list[GraphSpec] | None = None):
     """Key every graph; yields TracedGraph in plan order. A graph is torch.export-ed (weights as inputs,
     empty stand-ins: no memory touched) unless the trace memo already maps its trace inputs to a
-    cached compile. With tp > 1 collectives trace against a fake process group."""
+    cached compile. `record`: pack_record's. With tp > 1 collectives trace against a fake process group."""
     pair = bm.lp.pair
     dtype = torch_dtype(pair.dtype)
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
@@ -73,10 +81,10 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
-    record = pack_record(bm, backend, cache)
     packs = {"target": gemm.choices(record), "draft": gemm.choices((record or {}).get("draft"))}  # rows -> format
     for spec in (specs if specs is not None else graph_plan(pair)):
-        model, pack = bm.models[spec.model][0], packs[spec.model]
+        model, rows = bm.models[spec.model][0], graph_rows(pair, spec)
+        pack = {r: f for r, f in packs[spec.model].items() if r in rows}
         fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {})}
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
@@ -102,6 +110,9 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         if traced != [[o.shape, o.dtype] for o in outputs]:  # the role module strayed from manifest.ROLES
             raise RuntimeError(f"graph {spec.name} returns {traced}, the contract table says "
                                f"{[[o.shape, o.dtype] for o in outputs]}")
+        if pack and not {r for _, r in module.packable} <= rows:  # (the key would not name a choice it uses)
+            raise RuntimeError(f"graph {spec.name} projects {sorted({r for _, r in module.packable})} token rows, "
+                               f"graph_rows says {sorted(rows)}")
         packed = []
         if pack:  # the projections that packing serves take their packed copy as an extra input
             module.packed = [(group, rows, pack[rows]) for idx, rows in module.packable if rows in pack
@@ -119,22 +130,22 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, specs: list[Grap
         yield TracedGraph(spec, job, qnames, inputs, outputs, packed)
 
 
-def compile_graphs(bm: BuildModels, backend, cache: CompileCache, jobs: int | None, report: Report,
-                   specs: list[GraphSpec] | None = None, require_cached: bool = False
+def compile_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | None, jobs: int | None,
+                   report: Report, specs: list[GraphSpec] | None = None, require_cached: bool = False
                    ) -> tuple[list[TracedGraph], list[GraphResult]]:
     """Trace, key and compile (or fetch from the cache) every graph; raises CompileFailed at the end
-    if any failed (the others are compiled and cached regardless)."""
+    if any failed (the others are compiled and cached regardless). `record`: pack_record's, made before the
+    compile workers start sharing the CPU."""
     pair = bm.lp.pair
     specs = specs if specs is not None else graph_plan(pair)
     n_jobs = jobs or default_jobs(backend, len(specs))
-    pack_record(bm, backend, cache)  # (timed, or read back, before the compile workers start sharing the CPU)
     sched = Scheduler(backend, pair.backend_options, cache, n_jobs, report, tp=pair.parallel.tp_degree,
                       require_cached=require_cached)
     report({"event": "stage", "stage": "graphs", "total": len(specs), "jobs": n_jobs})
     traced = []
     with tracing_process_group(pair.parallel.tp_degree):
         try:
-            for tg in trace_graphs(bm, backend, cache, specs):
+            for tg in trace_graphs(bm, backend, cache, record, specs):
                 traced.append(tg)
                 sched.submit(tg.job)
         except BaseException:
@@ -156,14 +167,14 @@ def shard_specs(pair: PairRecipe, backend, index: int, count: int) -> list[Graph
     return [s for s in specs if s.name in mine]
 
 
-def fetch_graphs(bm: BuildModels, backend, cache: CompileCache, jobs: int | None, report: Report,
-                 require_cached: bool, into: Path) -> list[tuple[TracedGraph, GraphResult]]:
+def fetch_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | None, jobs: int | None,
+                 report: Report, require_cached: bool, into: Path) -> list[tuple[TracedGraph, GraphResult]]:
     """Compile or fetch every graph (`compile_graphs`) and copy its cache entry's files into `into`. An entry
     that a concurrent `cache prune` / `clear` removed before its copy is a miss: compiled again."""
     done: dict[str, tuple[TracedGraph, GraphResult]] = {}
     specs = None
     for _ in range(FETCH_TRIES):
-        traced, results = compile_graphs(bm, backend, cache, jobs, report, specs, require_cached=require_cached)
+        traced, results = compile_graphs(bm, backend, cache, record, jobs, report, specs, require_cached=require_cached)
         specs = []
         for tg, res in zip(traced, results):
             try:
@@ -200,21 +211,22 @@ class PerGraphBackend(Backend):
         bm = build_models(load_pair(pair))
         specs = shard_specs(pair, self, index, count)
         report({"event": "shard", "index": index, "count": count, "graphs": [s.name for s in specs]})
-        return compile_graphs(bm, self, cache, jobs, report, specs)[1]
+        return compile_graphs(bm, self, cache, pack_record(bm, self, cache), jobs, report, specs)[1]
 
     @classmethod
     def plan_keys(cls, bm: BuildModels, backend: Backend | None, cache: CompileCache) -> dict[str, str]:
         if backend is None:
             return {}
         with tracing_process_group(bm.lp.pair.parallel.tp_degree):
-            return {tg.spec.name: tg.job.key for tg in trace_graphs(bm, backend, cache)}
+            return {tg.spec.name: tg.job.key for tg in trace_graphs(bm, backend, cache, pack_record(bm, backend, cache))}
 
 
 def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs: int | None, report: Report,
                  require_cached: bool) -> Written:
     """One graph file per (role, bucket) under root/graphs, then one weight file per rank and model."""
     t0 = time.perf_counter()
-    fetched = fetch_graphs(bm, backend, cache, jobs, report, require_cached, root / "graphs")
+    record = pack_record(bm, backend, cache)
+    fetched = fetch_graphs(bm, backend, cache, record, jobs, report, require_cached, root / "graphs")
     graph_entries, extra_files = [], []
     for tg, res in fetched:
         info = dict(res.entry.meta["info"])
@@ -251,5 +263,4 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
     counts = {st: sum(r.status == st for r in results) for st in ("compiled", "cached")}
     timings = {r.job.name: {"status": r.status, "seconds": round(r.seconds, 2)} for r in results}
     build = {**counts, "seconds": round(time.perf_counter() - t0, 2), "graphs": timings}
-    record = pack_record(bm, backend, cache)
     return Written(graph_entries, model_entries, extra_files, {**build, "gemm": record} if record else build)

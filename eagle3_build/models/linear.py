@@ -9,10 +9,9 @@ row count), keep F.linear. Why, and the measurements: docs/linear-layout.md.
 Where the backend packs weights (aoti on CPU, float32), a weight with a packed copy for the call's row
 count (decode-sized, and with oneDNN's formats prefill chunks too) goes to that copy's GEMM instead
 (eagle3_runtime.packing: MKL's or oneDNN's, whichever the build measured faster for that row count on its
-host); the copies are graph inputs made by the runtime at load,
-bound here by tensor identity while tracing (`packed_weights`). Projections that read the same input (q, k,
-v; gate, up) go through `linears`: with oneDNN's formats one copy of their concatenated weights serves them
-in one GEMM.
+host); the copies are graph inputs made by the runtime at load, bound here by tensor identity while tracing
+(`packed_weights`). Projections that read the same input (q, k, v; gate, up) go through `linears`: with
+oneDNN's formats one copy of their concatenated weights serves them in one GEMM.
 """
 from __future__ import annotations
 
@@ -51,10 +50,9 @@ def _float_rows(x: torch.Tensor) -> int:
     return x.numel() // k if k and x.dtype == torch.float32 else 0
 
 
-def _unpacked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if x.dtype != torch.float32 or not 0 < rows <= SMALL_ROWS:
+def _unpacked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """`rows`: _float_rows(x)."""
+    if not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
     y = weight_stationary(x, weight)
     return y if bias is None else y + bias
@@ -70,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         fmt, packed = table[(id(weight),)][rows]
         y = packed_linear(x.reshape(rows, x.shape[-1]), packed, weight, bias, fmt)
         return y.reshape(*x.shape[:-1], weight.shape[0])
-    return _unpacked(x, weight, bias)
+    return _unpacked(x, weight, bias, rows)
 
 
 def linears(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
@@ -83,7 +81,7 @@ def linears(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
         return tuple(layer(x) for layer in layers)
     if isinstance(table, list):
         table.append((weights, rows))
-        return tuple(_unpacked(x, w, None) for w in weights)
+        return tuple(_unpacked(x, w, None, rows) for w in weights)
     key = tuple(id(w) for w in weights)
     if rows not in table.get(key, {}):  # (a format that does not fuse: each weight's own copy)
         return tuple(layer(x) for layer in layers)
