@@ -152,16 +152,17 @@ class Generation:
     ttft: float | None = None  # s from the call to the first token (the prefill's), same clock as `seconds`
 
 
-def check_request(n_prompt: int, max_tokens: int, largest_prefill: int, max_model_len: int) -> None:
-    """The admission rule for one request (the engine's, and what `verify` checks its prompts against)."""
+def check_request(n_prompt: int, max_tokens: int, longest_prompt: int, max_model_len: int) -> None:
+    """The admission rule for one request (the engine's, and what `verify` checks its prompts against);
+    `longest_prompt`: Manifest.longest_prompt."""
     if n_prompt < 1:
         raise RequestError("the prompt is empty (0 tokens)")
-    if n_prompt > largest_prefill:
-        raise RequestError(f"the prompt has {n_prompt} tokens, the largest prefill bucket of this bundle is "
-                           f"{largest_prefill} (max_model_len {max_model_len}); shorten the prompt or rebuild with a "
-                           "larger buckets.prefill")
     if n_prompt >= max_model_len:
         raise RequestError(f"the prompt has {n_prompt} tokens, max_model_len is {max_model_len}: no room to generate")
+    if n_prompt > longest_prompt:
+        raise RequestError(f"the prompt has {n_prompt} tokens, the largest prefill bucket of this bundle is "
+                           f"{longest_prompt} and it has no verify graph to continue past it (max_model_len "
+                           f"{max_model_len}); shorten the prompt or rebuild with a larger buckets.prefill")
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
     if n_prompt + max_tokens > max_model_len:
@@ -190,6 +191,15 @@ class Engine:
         self.shapes: dict[int, SpecShape] = {
             b: next((s for s in m.shapes(b) if s.tag == speculation), m.speculation[b]) for b in self.batch_buckets}
         self.catchup_len = {g.bucket: g.input("next_tokens").shape[1] for g in m.graphs if g.role == "draft_catchup"}
+        # per batch bucket, the shape whose verify graph continues a prompt past its first prefill chunk: the
+        # fewest seconds per node where warm-up timed them, else the most nodes (_prefill_plan)
+        self.chunk_shapes: dict[int, SpecShape] = {}
+        for b in self.batch_buckets:
+            shapes = [s for s in m.shapes(b) if s.speculates]
+            if shapes:
+                per_node = {s.describe(): bundle.costs.get(m.graph("target_verify", b, s).name, 0.0) / s.num_nodes
+                            for s in shapes}
+                self.chunk_shapes[b] = min(shapes, key=lambda s: (per_node[s.describe()], -s.num_nodes))
         self._graphs: dict[tuple, tuple] = {}  # (role, bucket, id(shape)) -> (graph, its metrics label): _run
         # --speculation auto: per batch bucket, plain decoding or a shape of its menu, whichever is expected
         # to yield the most tokens per second here (adaptive.py: graph costs timed at warm-up x acceptance)
@@ -235,7 +245,7 @@ class Engine:
     # ------------------------------------------------------------------ admission
 
     def check_request(self, n_prompt: int, max_tokens: int) -> None:
-        check_request(n_prompt, max_tokens, self.prefill_buckets[-1], self.max_len)
+        check_request(n_prompt, max_tokens, self.bundle.manifest.longest_prompt(), self.max_len)
 
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe). Raises RequestError / QueueFull."""
@@ -387,22 +397,78 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     def _prefill(self, req: Request) -> None:
+        """The prompt's first chunk through a prefill graph (of the bucket the plan picks), the rest, if any, through
+        the verify graph of the plan's shape (a chain over its nodes: the same causal attention over the cached
+        prefix), then the draft's prefill over the first chunk, the rest left to it as a gap (_catch_up_gaps)."""
         row, n = len(self.active), len(req.prompt_ids)
         seq = Sequence(req, list(req.prompt_ids), n, row, req.sampling.generator(), SpecStats(self.K))
         self.active.append(seq)
-        S = pick_bucket(self.prefill_buckets, n)
+        drafts = self._speculates(seq) and self.K > 0
+        bsz = pick_bucket(self.batch_buckets, len(self.active))
+        S, shape = self._prefill_plan(n, bsz, drafts)
+        first = min(S, n)
         tokens = torch.zeros(1, S, dtype=torch.int64)
-        tokens[0, :n] = torch.tensor(seq.ids)
-        slot, last = torch.tensor([row]), torch.tensor([n - 1])
+        tokens[0, :first] = torch.tensor(seq.ids[:first])
+        slot, last = torch.tensor([row]), torch.tensor([first - 1])
         out = self._run("target_prefill", S, tokens=tokens, slot=slot, last=last)
         self.target_passes += 1
+        logits, rest = out["logits"][0], []
+        for q in range(first, n, shape.num_nodes if shape is not None else n):
+            logits, aux = self._continue_prompt(seq, bsz, shape, q)
+            rest += list(aux)
         self.metrics.prompt_tokens.inc(n)
-        self._emit(seq, [next_token(out["logits"][0], req.sampling, seq.gen)])
-        if seq.finish_reason is None and self._speculates(seq) and self.K:
+        self._emit(seq, [next_token(logits, req.sampling, seq.gen)])
+        if seq.finish_reason is None and drafts:
             nxt = torch.zeros(1, S, dtype=torch.int64)
-            nxt[0, :n] = torch.tensor(seq.ids[1:n + 1])
+            nxt[0, :first] = torch.tensor(seq.ids[1:first + 1])
             d = self._run("draft_prefill", S, aux=out["aux"], next_tokens=nxt, slot=slot, last=last)
             seq.take_draft(d, 0)
+            seq.gap = list(zip(rest, seq.ids[first + 1:n + 1]))
+
+    def _continue_prompt(self, seq: Sequence, bsz: int, shape: SpecShape, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt positions q.. (up to the shape's node count) through its verify graph as a chain -> the logits of
+        the last of them and their aux states. The other rows put their pending token at its own position (what
+        a row past the speculation cutoff does in a round: it writes only slots rewritten before they are read)."""
+        N = shape.num_nodes
+        r = min(N, seq.n_prompt - q)
+        tokens = torch.zeros(bsz, N, dtype=torch.int64)
+        start = torch.zeros(bsz, dtype=torch.int64)
+        for s in self.active:
+            if s is not seq:
+                tokens[s.row, 0], start[s.row] = s.ids[-1], s.pos
+        tokens[seq.row, :r], start[seq.row] = torch.tensor(seq.ids[q:q + r]), q
+        v = self._run("target_verify", bsz, shape, kv_len_=int(start.max()) + N, tokens=tokens,
+                      positions=start[:, None] + torch.arange(N), start=start,
+                      tree_mask=torch.ones(N, N, dtype=torch.bool).tril().expand(bsz, N, N).contiguous())
+        self.target_passes += 1
+        return v["logits"][seq.row, r - 1], v["aux"][seq.row, :r]
+
+    def _prefill_plan(self, n: int, bsz: int, drafts: bool) -> tuple[int, SpecShape | None]:
+        """The prefill bucket of a prompt's first chunk and, where the prompt is longer, the shape whose verify graph
+        continues it: of padding the prompt to a bucket that holds it and continuing from a smaller one, the plan the
+        warm-up's graph times expect to take least time (draft included: its prefill, and the catch-up calls of the
+        positions it did not prefill; a prefill graph's first call, measured no slower than its next ones on an
+        AMD EPYC); without them, the smallest bucket that holds it. Beyond the largest bucket the prompt is always
+        continued."""
+        m, costs = self.bundle.manifest, {**self.bundle.timings, **self.bundle.costs}
+        chunk = self.chunk_shapes.get(bsz)
+        fits = [S for S in self.prefill_buckets if S >= n]
+
+        def cost(S: int) -> float:
+            roles = ("target_prefill", "draft_prefill") if drafts else ("target_prefill",)
+            total = sum(costs[m.graph(r, S).name] for r in roles)
+            if S < n:
+                total += -(-(n - S) // chunk.num_nodes) * costs[m.graph("target_verify", bsz, chunk).name]
+                if drafts:
+                    total += -(-(n - S) // self.catchup_len[bsz]) * costs[m.graph("draft_catchup", bsz).name]
+            return total
+
+        options = fits + ([S for S in self.prefill_buckets if S < n] if chunk is not None else [])
+        try:
+            S = min(options, key=cost)
+        except KeyError:  # (no warm-up ran: nothing timed)
+            S = fits[0] if fits else self.prefill_buckets[-1]
+        return S, (chunk if S < n else None)
 
     def _run(self, role: str, bucket: int, shape_: SpecShape | None = None, kv_len_: int | None = None,
              **inputs: torch.Tensor) -> dict[str, torch.Tensor]:

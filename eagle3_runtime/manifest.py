@@ -668,6 +668,14 @@ class Manifest(_Strict):
     def scratch(self) -> int:
         return max(s.scratch for s in all_shapes(self.speculation, self.menu))
 
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a request may have: max_model_len - 1 where every batch bucket has a verify
+        graph to continue a prompt past its first prefill chunk (the engine's prefill plan), else the largest
+        prefill bucket."""
+        if all(any(s.speculates for s in self.shapes(b)) for b in self.batch_buckets):
+            return self.max_model_len - 1
+        return min(self.prefill_buckets[-1], self.max_model_len - 1)
+
     def shapes(self, bucket: int) -> list[SpecShape]:
         """A batch bucket's speculation shapes: its own, then its menu."""
         return bucket_shapes(self.speculation, self.menu, bucket)

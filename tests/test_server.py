@@ -104,6 +104,22 @@ def test_solo_greedy_matches_transformers(server, tiny_pair):
     assert complete(server.url, prompt=PROMPTS[1], max_tokens=24)["choices"][0]["token_ids"] == ref
 
 
+def test_a_prompt_past_the_largest_bucket_runs_beside_a_stream(server):
+    """A prompt longer than the largest prefill bucket (64), admitted while another stream decodes: each gives
+    what it gives alone (the continuation runs the batch-2 verify graph beside the other row's pending token)."""
+    long = "The quick brown fox jumps over the lazy dog. " * 5
+    solo_long = complete(server.url, prompt=long, max_tokens=16)
+    assert 64 < solo_long["usage"]["prompt_tokens"] < 200
+    solo = complete(server.url, prompt=PROMPTS[1], max_tokens=120)["choices"][0]
+    out: dict = {}
+    t = threading.Thread(target=stream_tokens, args=(server.url, PROMPTS[1], 120, out, "a"))
+    t.start()
+    time.sleep(0.3)
+    both = complete(server.url, prompt=long, max_tokens=16)["choices"][0]
+    t.join()
+    assert both["token_ids"] == solo_long["choices"][0]["token_ids"] and out["a"][0] == solo["token_ids"]
+
+
 def test_chat_applies_template(server, tiny_pair):
     from transformers import AutoTokenizer
 
@@ -127,7 +143,7 @@ BAD = [
     ("missing prompt", {"max_tokens": 3}, 400, "prompt"),
     ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens too large", {"prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),
-    ("prompt over largest bucket", {"prompt": "word " * 150, "max_tokens": 3}, 400, "prompt"),
+    ("prompt text over max_model_len", {"prompt": "word " * 400, "max_tokens": 3}, 400, "prompt"),
     ("prompt token ids over max_model_len", {"prompt": [5] * 300, "max_tokens": 3}, 400, "prompt"),
     ("negative temperature", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("top_p zero", {"prompt": "hi", "top_p": 0}, 400, "top_p"),

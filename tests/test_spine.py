@@ -155,11 +155,12 @@ def test_refuses_unknown_schema(tiny_bundles, tmp_path):
     assert "schema version 999" in r.stderr and "rebuild" in r.stderr
 
 
-def test_refuses_prompt_longer_than_largest_bucket(tiny_bundles):
+def test_refuses_prompt_of_max_model_len(tiny_bundles):
+    """(A prompt past the largest prefill bucket is served: tests/test_long_prompts.py.)"""
     _, bundle_dir = tiny_bundles.get("speculators", 3)
-    r = cli_inproc("eagle3-run", str(bundle_dir), "--prompt", "word " * 200, "--max-tokens", "2")
+    r = cli_inproc("eagle3-run", str(bundle_dir), "--prompt", "word " * 400, "--max-tokens", "2")
     assert r.returncode == 2
-    assert "largest prefill bucket of this bundle is 64" in r.stderr and "Traceback" not in r.stderr
+    assert "max_model_len is 256: no room to generate" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_speculation_cutoff_near_max_model_len(tiny_bundles, hf_cache):

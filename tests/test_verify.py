@@ -345,8 +345,8 @@ def test_bad_input_is_refused(pairs, tmp_path):
     with pytest.raises(VerifyError, match="hold only 2"):
         verify_bundle(pairs.bundle("intact"), prompts=good, num_prompts=3)
     long = tmp_path / "long.txt"
-    long.write_text("word " * 200 + "\n")
-    with pytest.raises(VerifyError, match="tokens; this bundle takes 1 to 64"):
+    long.write_text("word " * 300 + "\n")  # (past max_model_len: a prompt past the largest bucket is continued)
+    with pytest.raises(VerifyError, match="tokens; this bundle takes 1 to 255"):
         verify_bundle(pairs.bundle("intact"), prompts=long, num_prompts=1)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(pairs.bundle("intact"), corrupt)

@@ -128,10 +128,10 @@ def encode_prompts(texts: list[str], root: Path, *, chat: bool) -> list[list[int
 
 def admit_prompts(manifest, texts: list[str], encoded: list[list[int]]) -> None:
     """Refuse the first prompt the runtime would refuse, by the engine's own admission rule."""
-    largest, max_len = manifest.prefill_buckets[-1], manifest.max_model_len
+    largest, max_len = manifest.longest_prompt(), manifest.max_model_len
     for i, ids in enumerate(encoded):
         try:
             check_request(len(ids), 1, largest, max_len)
         except RequestError as e:
             raise VerifyError(f"prompt {i} ({short(texts[i])!r}) has {len(ids)} tokens; this bundle takes 1 to "
-                              f"{min(largest, max_len - 1)} ({e})") from e
+                              f"{largest} ({e})") from e
