@@ -458,7 +458,8 @@ class Engine:
             roles = ("target_prefill", "draft_prefill") if drafts else ("target_prefill",)
             total = sum(costs[m.graph(r, S).name] for r in roles)
             if S < n:
-                total += -(-(n - S) // chunk.num_nodes) * costs[m.graph("target_verify", bsz, chunk).name]
+                verify = m.graph("target_verify", bsz, chunk, n + chunk.num_nodes)  # (the context bucket it runs)
+                total += -(-(n - S) // chunk.num_nodes) * costs[verify.name]
                 if drafts:
                     total += -(-(n - S) // self.catchup_len[bsz]) * costs[m.graph("draft_catchup", bsz).name]
             return total
