@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks on tiny pairs: spec_report.py (export backend, a chain and a tree shape,
 a few tokens: the report's JSON has both shapes with their acceptance and round costs, the PNG is
-written, and --from-result re-renders it), graph_latency.py, linear_layout.py."""
+written, and --from-result re-renders it), graph_latency.py, linear_layout.py, prefill_plan.py."""
 import importlib.util
 import json
 import subprocess
@@ -103,3 +103,19 @@ def test_linear_layout_smoke(tmp_path):
     assert all(set(r["ms"]) == set(res["forms"]) and min(r["ms"].values()) > 0 for r in res["results"])
     assert all(r["fastest"] in res["forms"] and r["chosen"] in res["forms"][1:] for r in res["results"])
     assert res["machine_info"]["cpu"] and res["machine_info"]["threads"] == 1
+
+
+@pytest.mark.slow  # (a benchmark, not a product component: the plan itself is tests/test_long_prompts.py)
+def test_prefill_plan_smoke(tiny_bundles, tmp_path):
+    """The plan against padding, a prompt past the largest bucket (64) among them: continued in both arms,
+    counted as the plan's."""
+    _, bundle = tiny_bundles.get("speculators", 3)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The quick brown fox\n" + "the lazy dog sleeps in the sun " * 15 + "\nOnce upon a time\n")
+    res = _run_bench("prefill_plan.py", str(bundle), "--prompts", str(prompts), "--num-prompts", "3", "--repeats", "1",
+                     "--threads", "1", "--no-chat", "--save-result", str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text()) == res
+    assert res["prompts"] == 3 and len(res["continued"]) == 1 and res["continued"][0] > 64
+    assert res["plans"][1]["bucket"] == 64 and res["plans"][1]["continued_by"] == "chain K 3"
+    assert res["plan"]["all"]["median_ms"] > 0 and res["padded"]["continued"]["mean_ms"] > 0
+    assert res["machine"]["cpu"] and res["continued_padded_over_plan"] > 0
