@@ -111,6 +111,11 @@ class Bundle:
         """Graph name -> seconds per call once warm, the decode loop's graphs (warm_up)."""
         return self.backend.costs
 
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Graph name -> seconds per call on this host: `costs` where warm calls were timed, else `timings`."""
+        return {**self.timings, **self.costs}
+
     def warm_up(self) -> dict[str, float]:
         return self.backend.warm_up()
 

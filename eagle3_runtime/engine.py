@@ -190,6 +190,7 @@ class Engine:
         # what each batch bucket runs without a chooser: its own shape, or the one --speculation names
         self.shapes: dict[int, SpecShape] = {
             b: next((s for s in m.shapes(b) if s.tag == speculation), m.speculation[b]) for b in self.batch_buckets}
+        self.longest_prompt = m.longest_prompt()
         self.catchup_len = {g.bucket: g.input("next_tokens").shape[1] for g in m.graphs if g.role == "draft_catchup"}
         # per batch bucket, the shape whose verify graph continues a prompt past its first prefill chunk: the
         # fewest seconds per node where warm-up timed them, else the most nodes (_prefill_plan)
@@ -197,7 +198,7 @@ class Engine:
         for b in self.batch_buckets:
             shapes = [s for s in m.shapes(b) if s.speculates]
             if shapes:
-                per_node = {s.describe(): bundle.costs.get(m.graph("target_verify", b, s).name, 0.0) / s.num_nodes
+                per_node = {s.describe(): bundle.seconds.get(m.graph("target_verify", b, s).name, 0.0) / s.num_nodes
                             for s in shapes}
                 self.chunk_shapes[b] = min(shapes, key=lambda s: (per_node[s.describe()], -s.num_nodes))
         self._graphs: dict[tuple, tuple] = {}  # (role, bucket, id(shape)) -> (graph, its metrics label): _run
@@ -208,7 +209,7 @@ class Engine:
         self.metrics = metrics or Metrics(self.K)
         self.metrics.record_warmup(m, bundle.timings)
         if speculation == "auto" and self.speculative:
-            seconds = {**bundle.timings, **bundle.costs}
+            seconds = bundle.seconds
             for b in self.batch_buckets:
                 try:
                     chooser = bucket_chooser(m, seconds, b)
@@ -245,7 +246,7 @@ class Engine:
     # ------------------------------------------------------------------ admission
 
     def check_request(self, n_prompt: int, max_tokens: int) -> None:
-        check_request(n_prompt, max_tokens, self.bundle.manifest.longest_prompt(), self.max_len)
+        check_request(n_prompt, max_tokens, self.longest_prompt, self.max_len)
 
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe). Raises RequestError / QueueFull."""
@@ -450,7 +451,7 @@ class Engine:
         positions it did not prefill; a prefill graph's first call, measured no slower than its next ones on an
         AMD EPYC); without them, the smallest bucket that holds it. Beyond the largest bucket the prompt is always
         continued."""
-        m, costs = self.bundle.manifest, {**self.bundle.timings, **self.bundle.costs}
+        m, costs = self.bundle.manifest, self.bundle.seconds
         chunk = self.chunk_shapes.get(bsz)
         fits = [S for S in self.prefill_buckets if S >= n]
 

@@ -26,7 +26,7 @@ def text_engine(built_bundle):
     """An Engine over the session bundle's manifest alone (no graph runs here), max_model_len lifted."""
     path = built_bundle().path
     tok = CountingTokenizer(path)
-    engine = Engine(types.SimpleNamespace(manifest=read_manifest(path), timings={}, costs={}), tokenizer=tok)
+    engine = Engine(types.SimpleNamespace(manifest=read_manifest(path), timings={}, seconds={}), tokenizer=tok)
     engine.max_len = 1 << 20
     return engine, tok
 
