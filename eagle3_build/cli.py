@@ -430,7 +430,7 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
     out_console.print(t)
     from eagle3_runtime.packing import ELEMENT_BYTES, copy_key, describe_choice  # (torch: not at the CLI's import)
 
-    copies = {copy_key((p.weight, *p.fused), p.rows, p.format): p for g in m.graphs for p in g.packed}
+    copies = {copy_key(p): p for g in m.graphs for p in g.packed}
     if copies:  # made by the runtime at load (eagle3_runtime.packing): memory on top of the weights
         mb = sum(math.prod(m.models[w.split("/")[0]].tensors[w.split("/", 1)[1]].shape) * ELEMENT_BYTES[p.format]
                  for p in copies.values() for w in (p.weight, *p.fused)) / 1e6

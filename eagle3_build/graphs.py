@@ -171,6 +171,7 @@ class BoundGraph(nn.Module):
         self.role_module = role_module
         self.weight_names = ["m." + n for n in weight_names]
         self.packed: list[tuple[tuple[int, ...], int, str]] = []
+        self.gemm_threads = 1  # what the blocked format's GEMMs are generated for (models.linear)
         # a list: the next call records what packing would serve, ((weight index, ...), rows)
         self.packable: list[tuple[tuple[int, ...], int]] | None = None
 
@@ -187,7 +188,7 @@ class BoundGraph(nn.Module):
         table: dict[tuple[int, ...], dict[int, tuple[str, torch.Tensor]]] = {}
         for (idx, rows, fmt), p in zip(self.packed, weights[n:]):
             table.setdefault(tuple(id(weights[i]) for i in idx), {})[rows] = (fmt, p)
-        with packed_weights(table):
+        with packed_weights(table, self.gemm_threads):
             return torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
 
 

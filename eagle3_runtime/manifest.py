@@ -506,15 +506,24 @@ class FileEntry(_Strict):
 # oneDNN's packed formats: one copy may hold several weights (PackedWeight.fused), and one copy of a weight serves
 # every row count (eagle3_runtime.packing)
 ONEDNN_FORMATS = ("onednn", "onednn_bf16")
+BLOCKED = "blocked"  # Inductor's CPU GEMM template's weight layout: also fuses, one copy per block_n
+FUSED_FORMATS = (*ONEDNN_FORMATS, BLOCKED)
 
 
 class PackedWeight(_Strict):
     """A graph input made at load time from one of its weights (eagle3_runtime.packing)."""
     weight: str  # qualified name, one of the graph's weights
-    # more of them, concatenated after `weight` along the output dim into one copy (oneDNN formats only)
+    # more of them, concatenated after `weight` along the output dim into one copy (FUSED_FORMATS only)
     fused: Capped(list[str], 8) = []
     rows: Count  # the GEMM row count the packing is for
-    format: Literal["mkl_sgemm", "onednn", "onednn_bf16"]  # (packing.FORMATS)
+    format: Literal["mkl_sgemm", "onednn", "onednn_bf16", "blocked"]  # (packing.FORMATS)
+    block_n: Annotated[int, Field(ge=1, le=1024)] | None = None  # the blocked format's (and only its)
+
+    @model_validator(mode="after")
+    def _block_n(self):
+        if (self.format == BLOCKED) != (self.block_n is not None):
+            raise ValueError(f"packed weight {self.weight!r}: block_n goes with the blocked format and only with it")
+        return self
 
 
 MAX_WEIGHTS = 1 << 16  # tensors of one model / weights of one graph (a 64-layer MoE has a few thousand)
@@ -815,7 +824,7 @@ def _check_weights(m: Manifest, g: GraphEntry, first: list[str]) -> None:
                          "graphs take them)")
     rows = ROLES[g.role].tokens_per_call(g.bucket, graph_shape(g.role, g.bucket, m.speculation, m.menu, g.shape))
     for p in g.packed:
-        if p.fused and p.format not in ONEDNN_FORMATS:
+        if p.fused and p.format not in FUSED_FORMATS:
             raise ValueError(f"graph {g.name}: packed weight {p.weight!r} fuses {len(p.fused)} more in format "
                              f"{p.format}, which takes one weight per copy")
         for w in (p.weight, *p.fused):

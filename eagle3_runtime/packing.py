@@ -12,13 +12,19 @@ token row count by measurement (eagle3_build/backends/gemm.py):
              row count's own, and 1 row faster than the 1-row layout). That call also takes a plain
              weight, so a host whose torch cannot reorder, or a run with EAGLE3_RUNTIME_NO_PACK=1 (fewer
              copies: less memory), passes the plain weight (same results, slower)
+  blocked    the weight transposed into blocks of `block_n` output columns, [ceil(N / block_n), K, block_n]
+             (zero-padded), which the aoti graph passes to Inductor's CPU GEMM template (its generated
+             micro-kernel for this CPU's vector ISA, `eagle3::blocked_linear`): the layout that template
+             gives a constant weight, made here from a plain one with torch alone (no MKL or oneDNN), so any
+             host can make it. One copy per (weights, block_n) serves every decode-sized row count; the
+             build takes block_n from the micro-kernel Inductor picks for the GEMM's shape
   onednn_bf16  (draft projections only) the weight rounded to bfloat16 in oneDNN's blocked layout, x rounded
              to bfloat16 for the call and the result returned in x's dtype: half the bytes a step streams,
              native bf16 dot products where the CPU has them (AVX512_BF16, AMX). A draft's numerics only
              choose what is proposed (verification keeps the output exact), and a draft stored in bfloat16
              loses nothing of its weights; the build offers it only there (backends/gemm.py)
 
-Projections of one input (q, k, v; gate, up) take, in oneDNN's formats, one copy of their weights
+Projections of one input (q, k, v; gate, up) take, in oneDNN's formats and blocked, one copy of their weights
 concatenated along the output dim (PackedWeight.fused: one GEMM instead of three, as vLLM fuses them).
 The packed layout is specific to this host's library and CPU, which is why it is made here and never
 shipped. `packed_linear` is the matching call, traced into graphs by eagle3_build/models/linear.py.
@@ -30,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from .manifest import ONEDNN_FORMATS, BundleError
+from .manifest import BLOCKED, ONEDNN_FORMATS, BundleError, PackedWeight
 
-PACK_FORMATS = ("mkl_sgemm", "onednn")  # exact float32 forms (backend_options.pack_weights names one)
+PACK_FORMATS = ("mkl_sgemm", "onednn", BLOCKED)  # exact float32 forms (backend_options.pack_weights names one)
 BF16 = "onednn_bf16"
 FORMATS = (*PACK_FORMATS, BF16)  # every format a graph's packed input may take (manifest PackedWeight)
-ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BF16: 2}  # per weight element, of the copy made at load
+ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BLOCKED: 4, BF16: 2}  # per weight element, of the copy made at load
 NO_PACK = "EAGLE3_RUNTIME_NO_PACK"
 ONEDNN_ROWS = 8  # the row count oneDNN's copies are laid out for (module doc)
 
@@ -59,16 +65,34 @@ def pack_available(fmt: str) -> bool:
     """Whether this torch can make `fmt`-packed copies."""
     if fmt == "mkl_sgemm":
         return torch.backends.mkl.is_available()
+    if fmt == BLOCKED:
+        return True
     return fmt in ONEDNN_FORMATS and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def copy_key(weights: tuple[str, ...], rows: int, fmt: str) -> tuple:
-    """What identifies one packed copy: oneDNN's serve every row count, MKL's one."""
-    return (weights, fmt) if fmt in ONEDNN_FORMATS else (weights, rows, fmt)
+def copy_key(p: PackedWeight) -> tuple:
+    """What identifies one packed copy: oneDNN's serve every row count, blocked ones every row count of their
+    block_n, MKL's one."""
+    weights = (p.weight, *p.fused)
+    if p.format == BLOCKED:
+        return weights, p.format, p.block_n
+    return (weights, p.format) if p.format in ONEDNN_FORMATS else (weights, p.rows, p.format)
 
 
-def pack_weight(weight: torch.Tensor, rows: int, fmt: str) -> torch.Tensor:
-    """The packed copy of a [out, in] float32 weight for GEMMs of `rows` token rows (any, for oneDNN's)."""
+def block(weight: torch.Tensor, block_n: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / block_n), K, block_n]: weight.T in blocks of block_n columns, the last zero-padded."""
+    n, k = weight.shape
+    nb = -(-n // block_n)
+    return torch.nn.functional.pad(weight.t(), (0, nb * block_n - n)).reshape(k, nb, block_n).transpose(0, 1).contiguous()
+
+
+def pack_weight(weight: torch.Tensor, rows: int, fmt: str, block_n: int | None = None) -> torch.Tensor:
+    """The packed copy of a [out, in] float32 weight for GEMMs of `rows` token rows (any, for oneDNN's and
+    blocked ones; block_n: the blocked format's)."""
+    if fmt == BLOCKED:
+        if not block_n:
+            raise BundleError("a blocked weight copy without its block_n: rebuild the bundle")
+        return block(weight, block_n)
     if fmt == BF16:
         weight = weight.to(torch.bfloat16)
     if fmt in ONEDNN_FORMATS and onednn_available() and (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):
@@ -83,9 +107,26 @@ def pack_weight(weight: torch.Tensor, rows: int, fmt: str) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_ROWS)
 
 
+@torch.library.custom_op("eagle3::blocked_linear", mutates_args=())
+def blocked_linear(x: torch.Tensor, w: torch.Tensor, n: int, threads: int) -> torch.Tensor:
+    """x @ W.T for a 2-D x, with w = block(W, block_n) and n = W's rows. aoti graphs lower it to Inductor's CPU GEMM
+    template, generated for `threads` threads (eagle3_build.backends.aoti); run as is, it is the reference."""
+    nb, k, bn = w.shape
+    return x @ w.transpose(0, 1).reshape(k, nb * bn)[:, :n]
+
+
+@blocked_linear.register_fake
+def _(x, w, n, threads):
+    return x.new_empty(x.shape[0], n)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                  fmt: str) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a 2-D x, with `packed` = pack_weight(weight, x.shape[0], fmt)."""
+                  fmt: str, n: int | None = None, threads: int = 1) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a 2-D x, with `packed` = pack_weight(weight, x.shape[0], fmt). n: the output
+    width where weight is None (fused copies); threads: the blocked format's GEMM's."""
+    if fmt == BLOCKED:
+        y = torch.ops.eagle3.blocked_linear(x, packed, weight.shape[0] if weight is not None else n, threads)
+        return y if bias is None else y + bias
     if fmt == "mkl_sgemm":
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
     if fmt == BF16:

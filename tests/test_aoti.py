@@ -11,7 +11,8 @@ import torch
 from conftest import run_cli
 from test_tp import torchrun
 
-from eagle3_runtime.manifest import ONEDNN_FORMATS
+from eagle3_build.backends.aoti import buildable
+from eagle3_runtime.manifest import FUSED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BF16, NO_PACK, pack_available
 
 PROMPT = "Once upon a time, in a land far away"
@@ -19,7 +20,9 @@ MAX_TOKENS = 32
 
 
 AOTI_RECIPE = {"buckets": {"prefill": [64]}}  # with K 1: 5 graphs per bundle (no draft_step: CI time)
-PACKING = {1: "mkl_sgemm", 2: "onednn"}  # aoti bundles at TP 1 / 2: each packing format named, where this torch has it
+# aoti bundles at TP 1 / 2: a packing format named, where this host can build it (oneDNN's float32 path is the
+# draft's bfloat16 one below, and test_a_new_prefill_bucket_rekeys_its_own_graphs_only's)
+PACKING = {1: "mkl_sgemm", 2: "blocked"}
 DRAFT_BF16 = {2: True}  # ... and at TP 2 the draft's projections in oneDNN bfloat16 (draft_bfloat16: true)
 
 
@@ -32,8 +35,8 @@ def build(world, backend: str, tp: int):
     """The session's tiny pair (speculators, K 1) with one prefill bucket at TP `tp`, built by
     `eagle3-build compile --backend BACKEND --jobs 2` (aoti: packing as PACKING names it)."""
     recipe = AOTI_RECIPE
-    if backend == "aoti" and pack_available(PACKING[tp]):
-        opts = {"pack_weights": PACKING[tp]} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and pack_available(BF16)
+    if backend == "aoti" and buildable(PACKING[tp]):
+        opts = {"pack_weights": PACKING[tp]} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and buildable(BF16)
                                                else {})
         recipe = {**recipe, "backend": "aoti", "backend_options": opts}
     return world["tiny"].bundle(k=1, backend=backend, tp=tp, recipe=recipe, jobs=2, cli=True)
@@ -93,12 +96,13 @@ def test_aoti_tp2_under_torchrun(world):
     got = generate(aoti, tp=2)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
-    if pack_available("onednn"):  # built for oneDNN-packed weights, run where none can be made: plain weights
-        assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
+    if buildable(PACKING[2]):
         r = run_cli("eagle3-build", "inspect", str(aoti))
-        assert r.returncode == 0 and "GEMM per token row count: 1 row onednn" in r.stdout, r.stdout[-2000:]
-        if pack_available(BF16):  # the draft's GEMMs in bfloat16: listed, and the output stays exact (above)
+        assert r.returncode == 0 and f"GEMM per token row count: 1 row {PACKING[2]}" in r.stdout, r.stdout[-2000:]
+        if buildable(BF16):  # the draft's GEMMs in oneDNN's bfloat16: listed, and the output stays exact (above)
             assert "; draft: 1 row onednn_bf16" in r.stdout.replace("\n", " "), r.stdout[-2000:]
+            # built for oneDNN-packed draft weights, run where none can be made: plain weights
+            assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
 
 
 def reads_before_wait(package: Path) -> list[str]:
@@ -144,8 +148,8 @@ def test_aoti_bundle_from_a_remote_needs_a_pin_and_loads_with_one(world, tmp_pat
 def assert_packed_projections(m: dict) -> None:
     """float32 on CPU with the format named (PACKING): the projections of decode-sized graphs take their
     weight packed for their row count (made at load); prefill graphs only the last position's lm_head with
-    MKL's format, every projection with oneDNN's (one copy serves every row count), which also fuse q/k/v
-    and gate/up into one copy each."""
+    MKL's format (and blocked), every projection with oneDNN's (one copy serves every row count); oneDNN's and
+    blocked also fuse q/k/v and gate/up into one copy each."""
     opts = m["recipe"]["backend_options"]
     fmt = opts.get("pack_weights")
     if fmt is None:
@@ -157,7 +161,8 @@ def assert_packed_projections(m: dict) -> None:
         rows = {p["rows"] for p in g["packed"]}
         want = draft_fmt if g["role"].startswith("draft") else fmt
         assert all(p["weight"] in g["weights"] and p["format"] == want for p in g["packed"]), g["name"]
-        assert all(not p["fused"] for p in g["packed"]) or want in ONEDNN_FORMATS
+        assert all(not p["fused"] for p in g["packed"]) or want in FUSED_FORMATS
+        assert all((p["block_n"] is not None) == (p["format"] == "blocked") for p in g["packed"])
         if g["role"].endswith("prefill") and want not in ONEDNN_FORMATS:
             assert [p["weight"].split("/")[1] for p in g["packed"]] in ([], ["lm_head.weight"]), g["name"]
             assert rows <= {1}
@@ -170,7 +175,7 @@ def assert_packed_projections(m: dict) -> None:
     verify = by_role["target_verify"]
     assert {p["rows"] for p in verify["packed"]} == {verify["inputs"][1]["shape"][1]}  # the verify's nodes
     layers = m["models"]["target"]["config"]["num_layers"]
-    if fmt in ONEDNN_FORMATS:  # q+k+v and gate+up one copy each, o, down; lm_head
+    if fmt in FUSED_FORMATS:  # q+k+v and gate+up one copy each, o, down; lm_head
         assert len(verify["packed"]) == 4 * layers + 1
         groups = [tuple(n.rsplit(".", 2)[-2] for n in (p["weight"], *p["fused"])) for p in verify["packed"] if p["fused"]]
         assert sorted(set(groups)) == [("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj")]
@@ -224,7 +229,9 @@ def test_pack_weights_option(monkeypatch):
     # 64 rows (a prefill chunk, beyond SMALL_ROWS): F.linear against oneDNN's copy only (one copy serves every
     # row count; MKL's would be one more per chunk size)
     assert set(rec["rows"]) == ({"1", "4", "64"} if pack_available("onednn") else {"1", "4"})
-    assert all(v["choice"] in ("plain", "mkl_sgemm", "onednn") and "plain" in v["ms"] for v in rec["rows"].values())
+    assert all(v["choice"] in ("plain", "mkl_sgemm", "onednn", "blocked") and "plain" in v["ms"] for v in rec["rows"].values())
+    if buildable("blocked"):  # Inductor's template, compiled here, measured at decode-sized row counts only
+        assert all(("blocked" in v["ms"]) == (int(r) <= 32) for r, v in rec["rows"].items())
     if pack_available("onednn"):
         assert set(rec["rows"]["64"]["ms"]) == {"plain", "onednn"}
     assert on.pack_choice("bfloat16", shapes, rows, None) is None and off.pack_choice("float32", shapes, rows, None) is None

@@ -51,7 +51,7 @@ def test_single_row_traces_a_two_column_gemm():
 
 
 @pytest.mark.parametrize("fmt, no_pack", [("mkl_sgemm", False), ("onednn", False), ("onednn", True),
-                                           ("onednn_bf16", False), ("onednn_bf16", True)])
+                                           ("onednn_bf16", False), ("onednn_bf16", True), ("blocked", False)])
 def test_packed_forms_compute_the_projection(fmt, no_pack, monkeypatch):
     """Every packed form computes x @ W.T (+ b) in x's dtype: the exact ones to float32 rounding, the draft's
     bfloat16 one to bfloat16's (x and W rounded; float32 accumulation); without packing (NO_PACK) oneDNN's
@@ -63,7 +63,7 @@ def test_packed_forms_compute_the_projection(fmt, no_pack, monkeypatch):
     monkeypatch.setenv(NO_PACK, "1" if no_pack else "0")
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 64), torch.randn(96, 64), torch.randn(96)
-    p = pack_weight(w, 4, fmt)
+    p = pack_weight(w, 4, fmt, 32 if fmt == "blocked" else None)
     assert p.dtype == (torch.bfloat16 if fmt == "onednn_bf16" else torch.float32)
     y = packed_linear(x, p, w, b, fmt)
     assert y.dtype == torch.float32 and y.shape == (4, 96)
@@ -105,6 +105,10 @@ def test_projections_of_one_input_share_one_fused_copy():
             with packed_weights({}):  # not fused for these rows: each weight-stationary
                 for g, w in zip(linears(x, *layers), want):
                     torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        copy = pack_weight(torch.cat([layer.weight for layer in layers]), 4, "blocked", 16)  # (56 columns: padded)
+        with packed_weights({tuple(id(layer.weight) for layer in layers): {4: ("blocked", copy)}}, threads=2):
+            for g, w in zip(linears(x, *layers), want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
         biased = [Linear(24, 8, bias=True), Linear(24, 8, bias=True)]
         with packed_weights([]) as seen:
             linears(x, *biased)
@@ -112,10 +116,44 @@ def test_projections_of_one_input_share_one_fused_copy():
 
 
 def test_one_onednn_copy_serves_every_row_count():
-    """The runtime makes one oneDNN copy per weight (or fused group) for every row count, MKL's one per row count."""
+    """The runtime makes one oneDNN copy per weight (or fused group) for every row count, one blocked copy per
+    block_n, MKL's one per row count."""
+    from eagle3_runtime.manifest import PackedWeight
     from eagle3_runtime.packing import copy_key
 
-    assert copy_key(("t/q", "t/k"), 4, "onednn") == copy_key(("t/q", "t/k"), 64, "onednn")
-    assert copy_key(("d/fc",), 1, "onednn_bf16") == copy_key(("d/fc",), 5, "onednn_bf16")
-    assert copy_key(("t/q",), 4, "onednn") != copy_key(("t/q", "t/k"), 4, "onednn")
-    assert copy_key(("t/q",), 4, "mkl_sgemm") != copy_key(("t/q",), 5, "mkl_sgemm")
+    def key(weights, rows, fmt, block_n=None):
+        return copy_key(PackedWeight(weight=weights[0], fused=list(weights[1:]), rows=rows, format=fmt, block_n=block_n))
+
+    assert key(("t/q", "t/k"), 4, "onednn") == key(("t/q", "t/k"), 64, "onednn")
+    assert key(("d/fc",), 1, "onednn_bf16") == key(("d/fc",), 5, "onednn_bf16")
+    assert key(("t/q",), 4, "onednn") != key(("t/q", "t/k"), 4, "onednn")
+    assert key(("t/q",), 4, "mkl_sgemm") != key(("t/q",), 5, "mkl_sgemm")
+    assert key(("t/q", "t/k"), 1, "blocked", 48) == key(("t/q", "t/k"), 4, "blocked", 48)
+    assert key(("t/q",), 1, "blocked", 48) != key(("t/q",), 1, "blocked", 32)
+    for fmt, block_n in (("blocked", None), ("onednn", 48)):  # block_n goes with the blocked format only
+        with pytest.raises(ValueError, match="block_n goes with the blocked format"):
+            PackedWeight(weight="t/q", rows=1, format=fmt, block_n=block_n)
+
+
+def test_blocked_layout_is_inductors():
+    """packing.block lays W.T out in [ceil(N / bn), K, bn] blocks, the last zero-padded; eagle3::blocked_linear
+    run as is computes x @ W.T from it; compiled (aoti's lowering) it is Inductor's CPU GEMM template over the copy
+    as given, to float32 rounding, and a copy blocked otherwise than the template's micro-kernel is refused."""
+    from eagle3_build.backends import lowerings
+    from eagle3_runtime.packing import block, blocked_linear
+
+    if not lowerings.available():
+        pytest.skip("Inductor has no vectorised float32 micro-kernel here")
+    torch.manual_seed(0)
+    w, x = torch.randn(100, 64), torch.randn(4, 64)
+    b = block(w, 32)
+    assert b.shape == (4, 64, 32) and torch.equal(b[1, :, 5], w[37]) and not b[3, :, 4:].any()
+    torch.testing.assert_close(blocked_linear(x, b, 100, 2), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    bn = lowerings.block_n(4, 96, 64, 2)
+    w = torch.randn(96, 64)
+    fn = torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False, fullgraph=True)
+    with lowerings.packed_input_lowering(), torch.no_grad():
+        torch.testing.assert_close(fn(x, block(w, bn)), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        other = next(n for n in (8, 16, 24, 32, 48) if n != bn)
+        with pytest.raises(Exception, match=f"blocked weight copy of block_n {other}"):
+            torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, block(w, other))

@@ -10,10 +10,8 @@ warm cache appends compile commands to the packaged sources; paths enter debug i
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -23,14 +21,15 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from eagle3_runtime.manifest import GRAPH_FORMATS, dtype_name
+from eagle3_runtime.manifest import BLOCKED, GRAPH_FORMATS, dtype_name
 from eagle3_runtime.packing import BF16, PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
 from ..files import atomic_write
 from ..recipe import check_backend_options
-from . import gemm
+from . import gemm, lowerings
+from .lowerings import env, packed_input_lowering
 from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
@@ -58,7 +57,7 @@ class AotiBackend(PerGraphBackend):
         if not (isinstance(self.pack_weights, bool) or self.pack_weights in PACK_FORMATS):
             raise UserError(f"backend_options.pack_weights {self.pack_weights!r}: must be true (the fastest packing "
                             f"per row count, measured on this host), false, or one of {', '.join(PACK_FORMATS)}")
-        if isinstance(self.pack_weights, str) and not pack_available(self.pack_weights):
+        if isinstance(self.pack_weights, str) and not buildable(self.pack_weights):
             raise UserError(f"backend_options.pack_weights {self.pack_weights}: this torch cannot make such packed "
                             "weights; use true (the fastest available, measured) or false")
         self.draft_bfloat16 = opts.pop("draft_bfloat16", "auto")
@@ -69,7 +68,7 @@ class AotiBackend(PerGraphBackend):
         if self.draft_bfloat16 is True and not self.pack_weights:
             raise UserError("backend_options.draft_bfloat16: true needs packed weights: set pack_weights to true "
                             "(or a format), or draft_bfloat16 to auto or false")
-        if self.draft_bfloat16 is True and not pack_available(BF16):
+        if self.draft_bfloat16 is True and not buildable(BF16):
             raise UserError("backend_options.draft_bfloat16: true: this torch cannot make oneDNN bfloat16 weights "
                             "(x86 torch with oneDNN needed); use auto or false")
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
@@ -99,13 +98,13 @@ class AotiBackend(PerGraphBackend):
         where draft_bfloat16 allows it (auto: its checkpoint stores bfloat16); true names bfloat16."""
         if not self.pack_weights or self.device != "cpu" or dtype != "float32":
             return None
-        exact = [f for f in PACK_FORMATS if pack_available(f)]
+        exact = [f for f in PACK_FORMATS if buildable(f)]
 
         def record(shapes_, bf16):
             if bf16 and self.draft_bfloat16 is True:
                 return gemm.named(BF16, rows)
             if self.pack_weights is True:
-                return gemm.choose(shapes_, rows, exact + ([BF16] if bf16 and pack_available(BF16) else []), cache_dir)
+                return gemm.choose(shapes_, rows, exact + ([BF16] if bf16 and buildable(BF16) else []), cache_dir)
             return gemm.named(self.pack_weights, rows)
 
         out = record(shapes, False)
@@ -143,7 +142,7 @@ class AotiBackend(PerGraphBackend):
                 # result above the collective's wait_tensor (seen: a TP-2 verify graph's final norm read its
                 # all-reduce in flight under gloo: logits off by ~10); keep the traced order for TP graphs
                 patch["reorder_for_locality"] = False
-            with _env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
+            with env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
                     packed_input_lowering():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(out),
                                                          inductor_configs=self.inductor_configs)
@@ -153,50 +152,10 @@ class AotiBackend(PerGraphBackend):
         return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__, "device": self.device, "target": self.target()}
 
 
-@contextlib.contextmanager
-def packed_input_lowering():
-    """Inductor lowers the packed GEMMs (`mkl._mkl_linear`, `mkldnn._linear_pointwise`) only with the packed
-    weight as a graph constant (its freezing pass makes it); here the packed weight is a graph input (made
-    at load), so lower each call straight to the same extern kernel (mkldnn_ir.MKLPackedLinear /
-    LinearUnary) with every operand an input."""
-    from torch._inductor import lowering, mkldnn_ir
-    from torch._inductor.ir import FixedLayout, TensorBox
-
-    def mkl_linear(x, packed_w, orig_w, b, batch_size, *, layout=None):
-        return TensorBox.create(mkldnn_ir.MKLPackedLinear.create(x, packed_w, orig_w, b, batch_size))
-
-    def onednn_linear(x, w, b, attr, scalars, algorithm, layout=None):
-        cls = mkldnn_ir.LinearUnary
-        x, w = cls.require_contiguous(cls.realize_input(x)), cls.realize_input(w)  # (w: an opaque oneDNN tensor)
-        inputs = [x, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
-        consts = ([] if b is not None else [None]) + [attr, scalars if scalars else [-1], algorithm]
-        *m, _ = x.get_size()
-        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[*m, w.get_size()[0]]),
-                   inputs=inputs, constant_args=consts)
-        return TensorBox.create(mkldnn_ir._create_output_node(node))
-
-    def onednn_linear_add(x, y, w, b, attr, layout=None):  # (Inductor fuses a following add into the GEMM)
-        cls = mkldnn_ir.LinearBinary
-        x, y = (cls.require_contiguous(cls.realize_input(lowering.view(t, [-1, t.get_size()[-1]]))) for t in (x, y))
-        w = cls.realize_input(w)
-        inputs = [x, y, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
-        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[x.get_size()[0], w.get_size()[0]]),
-                   inputs=inputs, constant_args=([] if b is not None else [None]) + [attr])
-        return TensorBox.create(mkldnn_ir._create_output_node(node))
-
-    ours = {}
-    if torch._C.has_mkl:
-        ours[torch.ops.mkl._mkl_linear] = mkl_linear
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        ours[torch.ops.mkldnn._linear_pointwise] = onednn_linear
-        ours[torch.ops.mkldnn._linear_pointwise.binary] = onednn_linear_add
-    table = {k: fn for op, fn in ours.items() for k in (op, getattr(op, "default", op)) if k in lowering.lowerings}
-    old = {k: lowering.lowerings[k] for k in table}
-    lowering.lowerings.update(table)
-    try:
-        yield
-    finally:
-        lowering.lowerings.update(old)
+def buildable(fmt: str) -> bool:
+    """Whether graphs built here can take `fmt`-packed weights: this torch makes the copies and, for blocked
+    ones, Inductor has a vectorised micro-kernel for this CPU."""
+    return pack_available(fmt) and (fmt != BLOCKED or lowerings.available())
 
 
 def host_vec_isa(cache_root: Path) -> dict:
@@ -230,7 +189,7 @@ def host_vec_isa(cache_root: Path) -> dict:
     cpuinfo = [str(isa) for isa in candidates]
     # Inductor's own check per ISA (what valid_vec_isa_list() runs one after another), in parallel:
     # each is a g++ build of a test program plus a dlopen in a fresh interpreter
-    with tempfile.TemporaryDirectory(prefix="eagle3-isa-") as d, _env("TORCHINDUCTOR_CACHE_DIR", d), \
+    with tempfile.TemporaryDirectory(prefix="eagle3-isa-") as d, env("TORCHINDUCTOR_CACHE_DIR", d), \
             torch._inductor.config.patch({"cpp.vec_isa_ok": None}), \
             concurrent.futures.ThreadPoolExecutor(len(candidates) or 1) as pool:
         ok = list(pool.map(bool, candidates))
@@ -261,16 +220,3 @@ def example_inputs(ep, device: str = "cpu"):
     vals = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder" and n.name in user]
     flat = [torch.empty(v.shape, dtype=v.dtype, device=device) if isinstance(v, torch.Tensor) else v for v in vals]
     return pytree.tree_unflatten(flat, ep.call_spec.in_spec)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old

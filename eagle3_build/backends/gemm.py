@@ -5,8 +5,9 @@ serves them: forms_for), the forms this torch offers are timed side by side over
 projection shapes (rank-local, as many weights as fit in MAX_BYTES, so they stream from memory as they do
 when served): "plain" (what linear does unpacked: a weight-stationary mm up to SMALL_ROWS rows, F.linear
 beyond) and each packing of eagle3_runtime.packing that can be made
-here (MKL's sgemm pack, oneDNN's blocked layout; for a draft stored in bfloat16, oneDNN's bfloat16 GEMM
-too, measured over the draft's own shapes). The fastest wins unless it beats the form before it in
+here (MKL's sgemm pack, oneDNN's blocked layout, Inductor's CPU GEMM template over its own blocked layout,
+compiled here as the graphs compile it; for a draft stored in bfloat16, oneDNN's bfloat16 GEMM too, measured
+over the draft's own shapes). The fastest wins unless it beats the form before it in
 FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key).
 
 Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch and
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_runtime.manifest import ONEDNN_FORMATS
+from eagle3_runtime.manifest import BLOCKED, ONEDNN_FORMATS
 from eagle3_runtime.packing import FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
 from ..files import atomic_write
 from ..models.linear import SMALL_ROWS, linear
+from . import lowerings
 
 PLAIN = "plain"
 FORMS = (PLAIN, *FORMATS)
@@ -64,25 +67,53 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
     torch.manual_seed(0)
     weights = weights if weights is not None else [torch.rand(o, i) - 0.5 for o, i in shapes]
     xs = {w.shape[1]: torch.rand(rows, w.shape[1]) for w in weights}
+
+    def each(fns):
+        return lambda: [fn(xs[w.shape[1]]) for w, fn in zip(weights, fns)]
+
     calls = {}
-    for form in forms:
-        if form == PLAIN:  # (what linear does unpacked: weight-stationary up to SMALL_ROWS rows, else F.linear)
-            calls[form] = [(lambda x, w=w: linear(x, w)) for w in weights]
-        elif form == F_LINEAR:
-            calls[form] = [(lambda x, w=w: F.linear(x, w)) for w in weights]
-        else:
-            calls[form] = [(lambda x, w=w, p=pack_weight(w, rows, form), f=form: packed_linear(x, p, w, None, f))
-                           for w in weights]
-    ms: dict[str, list[float]] = {f: [] for f in forms}
     with torch.inference_mode():
+        for form in forms:
+            if form == PLAIN:  # (what linear does unpacked: weight-stationary up to SMALL_ROWS rows, else F.linear)
+                calls[form] = each([(lambda x, w=w: linear(x, w)) for w in weights])
+            elif form == F_LINEAR:
+                calls[form] = each([(lambda x, w=w: F.linear(x, w)) for w in weights])
+            elif form == BLOCKED:
+                calls[form] = blocked_pass(weights, rows, xs)
+            else:
+                calls[form] = each([(lambda x, w=w, p=pack_weight(w, rows, form), f=form: packed_linear(x, p, w, None, f))
+                                    for w in weights])
+        ms: dict[str, list[float]] = {f: [] for f in forms}
         for rep in range(repeats + 1):
-            for form, fns in calls.items():
+            for form, run in calls.items():
                 t0 = time.perf_counter()
-                for w, fn in zip(weights, fns):
-                    fn(xs[w.shape[1]])
+                run()
                 if rep:
                     ms[form].append((time.perf_counter() - t0) * 1e3)
     return {f: round(statistics.median(v), 3) for f, v in ms.items()}
+
+
+def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor]):
+    """One pass of x @ W.T over `weights` in the blocked format, compiled now as the aoti backend compiles a graph
+    (one AOTInductor package, the template per GEMM, in a private directory removed after): a callable."""
+    import torch._inductor.config
+
+    threads = torch.get_num_threads()
+    copies = tuple(pack_weight(w, rows, BLOCKED, lowerings.block_n(rows, *w.shape, threads)) for w in weights)
+    widths, ks = [w.shape[0] for w in weights], sorted(xs)
+
+    class Pass(nn.Module):
+        def forward(self, xs_, copies_):
+            by_k = dict(zip(ks, xs_))
+            return [packed_linear(by_k[c.shape[1]], c, None, None, BLOCKED, n=n, threads=threads)
+                    for c, n in zip(copies_, widths)]
+
+    args = (tuple(xs[k] for k in ks), copies)
+    with tempfile.TemporaryDirectory(prefix="eagle3-gemm-") as d, lowerings.env("TORCHINDUCTOR_CACHE_DIR", d), \
+            lowerings.packed_input_lowering(), torch._inductor.config.patch({"compile_threads": 1}):
+        ep = torch.export.export(Pass(), args, strict=False)
+        run = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/pass.pt2"))
+    return lambda: run(*args)
 
 
 def pick(ms: dict[str, float]) -> str:

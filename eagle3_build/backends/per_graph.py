@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import (ONEDNN_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name,
+from eagle3_runtime.manifest import (BLOCKED, FUSED_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name,
                                      file_entry, torch_dtype)
 from eagle3_runtime.packing import pack_weight
 
@@ -25,7 +25,7 @@ from ..graphs import GraphSpec, build_graph_module, step_inputs
 from ..pair import BuildModels, Report, build_models, contract_outputs, graph_plan, load_pair, model_entry
 from ..recipe import PairRecipe
 from ..sharding import tensor_plan, write_rank_files
-from . import gemm
+from . import gemm, lowerings
 from .base import Backend, Written
 
 
@@ -40,14 +40,14 @@ class TracedGraph:
 
 
 @functools.lru_cache(maxsize=None)
-def _packed_meta(shape: tuple[int, ...], rows: int, fmt: str) -> tuple[tuple[int, ...], torch.dtype]:
-    p = pack_weight(torch.empty(shape), rows, fmt)
+def _packed_meta(shape: tuple[int, ...], rows: int, fmt: str, block_n: int | None) -> tuple[tuple[int, ...], torch.dtype]:
+    p = pack_weight(torch.empty(shape), rows, fmt, block_n)
     return tuple(p.shape), p.dtype
 
 
-def packed_example(shape: tuple[int, ...], rows: int, fmt: str) -> torch.Tensor:
+def packed_example(shape: tuple[int, ...], rows: int, fmt: str, block_n: int | None = None) -> torch.Tensor:
     """A stand-in of a packed copy: the shape and dtype the runtime's pack_weight makes on this host."""
-    shape_, dtype = _packed_meta(shape, rows, fmt)
+    shape_, dtype = _packed_meta(shape, rows, fmt, block_n)
     return torch.empty(shape_, dtype=dtype)
 
 
@@ -82,10 +82,12 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
     packs = {"target": gemm.choices(record), "draft": gemm.choices((record or {}).get("draft"))}  # rows -> format
+    threads = (record or {}).get("threads", 1)  # (what the measured GEMMs ran on; blocked ones are generated for it)
     for spec in (specs if specs is not None else graph_plan(pair)):
         model, rows = bm.models[spec.model][0], graph_rows(pair, spec)
         pack = {r: f for r, f in packs[spec.model].items() if r in rows}
-        fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {})}
+        fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {}),
+                  **({"gemm_threads": threads} if BLOCKED in pack.values() else {})}
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
         ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
@@ -116,12 +118,15 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
         packed = []
         if pack:  # the projections that packing serves take their packed copy as an extra input
             module.packed = [(group, rows, pack[rows]) for idx, rows in module.packable if rows in pack
-                             for group in ([idx] if pack[rows] in ONEDNN_FORMATS else [(i,) for i in idx])]
-            module.packable = None
-            weights += tuple(packed_example((sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]), rows, fmt)
-                             for idx, rows, fmt in module.packed)
-            packed = [PackedWeight(weight=qnames[idx[0]], fused=[qnames[i] for i in idx[1:]], rows=rows, format=fmt)
-                      for idx, rows, fmt in module.packed]
+                             for group in ([idx] if pack[rows] in FUSED_FORMATS else [(i,) for i in idx])]
+            module.packable, module.gemm_threads = None, threads
+            shapes = [(sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]) for idx, _, _ in module.packed]
+            blocks = [lowerings.block_n(rows, *shape, threads) if fmt == BLOCKED else None
+                      for shape, (_, rows, fmt) in zip(shapes, module.packed)]
+            weights += tuple(packed_example(shape, rows, fmt, bn)
+                             for shape, (_, rows, fmt), bn in zip(shapes, module.packed, blocks))
+            packed = [PackedWeight(weight=qnames[idx[0]], fused=[qnames[i] for i in idx[1:]], rows=rows, format=fmt,
+                                   block_n=bn) for (idx, rows, fmt), bn in zip(module.packed, blocks)]
         ep = torch.export.export(module, (weights, kv, *example), strict=False)
         key = graph_key(ep, fields)
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs],

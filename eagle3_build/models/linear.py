@@ -8,10 +8,10 @@ row count), keep F.linear. Why, and the measurements: docs/linear-layout.md.
 
 Where the backend packs weights (aoti on CPU, float32), a weight with a packed copy for the call's row
 count (decode-sized, and with oneDNN's formats prefill chunks too) goes to that copy's GEMM instead
-(eagle3_runtime.packing: MKL's or oneDNN's, whichever the build measured faster for that row count on its
-host); the copies are graph inputs made by the runtime at load, bound here by tensor identity while tracing
+(eagle3_runtime.packing: MKL's, oneDNN's or Inductor's blocked layout, whichever the build measured fastest
+for that row count on its host); the copies are graph inputs made by the runtime at load, bound here by tensor identity while tracing
 (`packed_weights`). Projections that read the same input (q, k, v; gate, up) go through `linears`: with
-oneDNN's formats one copy of their concatenated weights serves them in one GEMM.
+oneDNN's formats and blocked one copy of their concatenated weights serves them in one GEMM.
 """
 from __future__ import annotations
 
@@ -31,17 +31,20 @@ SMALL_ROWS = 32  # covers max_num_seqs x tree nodes of the demo's verify graphs 
 # copy of those weights concatenated along the output dim); a list collecting ((weight, ...), rows) while finding
 # which projections take them
 _PACKED: contextvars.ContextVar[dict | list | None] = contextvars.ContextVar("packed_weights", default=None)
+_THREADS: contextvars.ContextVar[int] = contextvars.ContextVar("gemm_threads", default=1)
 
 
 @contextlib.contextmanager
-def packed_weights(table: dict | list):
+def packed_weights(table: dict | list, threads: int = 1):
     """Inside: `linear` / `linears` use the (format, copy) at table[(id(weight), ...)][rows] where present, or,
-    given a list, append ((weight, ...), rows) for every projection (group) that packing would serve."""
-    token = _PACKED.set(table)
+    given a list, append ((weight, ...), rows) for every projection (group) that packing would serve.
+    threads: what the blocked format's GEMMs are generated for (the host's, where the build measured)."""
+    token, t_token = _PACKED.set(table), _THREADS.set(threads)
     try:
         yield table
     finally:
         _PACKED.reset(token)
+        _THREADS.reset(t_token)
 
 
 def _float_rows(x: torch.Tensor) -> int:
@@ -66,7 +69,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         table.append(((weight,), rows))
     elif rows and table is not None and rows in table.get((id(weight),), {}):
         fmt, packed = table[(id(weight),)][rows]
-        y = packed_linear(x.reshape(rows, x.shape[-1]), packed, weight, bias, fmt)
+        y = packed_linear(x.reshape(rows, x.shape[-1]), packed, weight, bias, fmt, threads=_THREADS.get())
         return y.reshape(*x.shape[:-1], weight.shape[0])
     return _unpacked(x, weight, bias, rows)
 
@@ -86,8 +89,9 @@ def linears(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
     if rows not in table.get(key, {}):  # (a format that does not fuse: each weight's own copy)
         return tuple(layer(x) for layer in layers)
     fmt, packed = table[key][rows]
-    y = packed_linear(x.reshape(rows, x.shape[-1]), packed, None, None, fmt)
-    return tuple(t.reshape(*x.shape[:-1], t.shape[-1]) for t in y.split([w.shape[0] for w in weights], dim=-1))
+    widths = [w.shape[0] for w in weights]
+    y = packed_linear(x.reshape(rows, x.shape[-1]), packed, None, None, fmt, n=sum(widths), threads=_THREADS.get())
+    return tuple(t.reshape(*x.shape[:-1], t.shape[-1]) for t in y.split(widths, dim=-1))
 
 
 def weight_stationary(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -63,10 +63,10 @@ class HostBackend(RuntimeBackend):
     def _packed(self, p: PackedWeight) -> torch.Tensor:
         """A packed copy made once (packing.copy_key) and shared by every graph that takes it; fused weights are
         concatenated along the output dim first."""
-        key = copy_key((p.weight, *p.fused), p.rows, p.format)
+        key = copy_key(p)
         if key not in self.packed:
             w = torch.cat([self.weights[n] for n in (p.weight, *p.fused)]) if p.fused else self.weights[p.weight]
-            self.packed[key] = pack_weight(w, p.rows, p.format)
+            self.packed[key] = pack_weight(w, p.rows, p.format, p.block_n)
         return self.packed[key]
 
     def copy_kv_row(self, src: int, dst: int) -> None:

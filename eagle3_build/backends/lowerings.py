@@ -1,0 +1,148 @@
+"""Inductor lowerings of the GEMMs whose weight was packed at load (eagle3_runtime.packing), as graph inputs.
+
+Inductor lowers MKL's and oneDNN's packed GEMMs only for a packed weight that is a graph constant (its freezing
+pass makes one); bundle weights and their packed copies are graph inputs, so `packed_input_lowering` lowers
+them itself.
+
+The blocked format is Inductor's own CPU GEMM template: a GEMM generated for the CPU it compiles on (a
+register-blocked micro-kernel for its vector ISA, threads partitioned over output blocks), which Inductor too
+offers only for a constant weight, re-laid out at compile time. Here the runtime makes that layout at load
+(`packing.block`), the graph calls `eagle3::blocked_linear` on it, and that call is lowered to the template with
+the copy as its weight operand. The copy's block_n must be the one the template's micro-kernel takes for the
+GEMM's shape: `block_n` asks Inductor the same question before tracing, and the lowering refuses a copy laid out
+otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+from eagle3_runtime import packing  # noqa: F401  (registers eagle3::blocked_linear)
+
+DTYPE = torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _micro_gemm(rows: int, n: int, k: int, threads: int):
+    import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
+    from torch._inductor.codegen.cpp_micro_gemm import create_micro_gemm
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+
+    graph = torch.fx.Graph()
+    graph.output(())
+    with V.set_graph_handler(GraphLowering(torch.fx.GraphModule(torch.nn.Module(), graph))):
+        return create_micro_gemm("micro_gemm", rows, n, k, input_dtype=DTYPE, input2_dtype=DTYPE, output_dtype=DTYPE,
+                                 compute_dtype=DTYPE, num_threads=threads, use_ref=False)
+
+
+def block_n(rows: int, n: int, k: int, threads: int) -> int | None:
+    """The block_n of the micro-kernel Inductor's template takes for a float32 (rows x k) @ (k x n) on `threads`
+    threads on this CPU, or None where it has no vectorised one (then the blocked format is not offered)."""
+    mg = _micro_gemm(rows, n, k, threads)
+    return None if mg is None else mg.register_blocking.block_n
+
+
+def available() -> bool:
+    """Whether Inductor has a vectorised float32 micro-kernel on this CPU."""
+    try:
+        return block_n(8, 256, 256, 1) is not None
+    except Exception:  # (no usable vector ISA or compiler: the format is simply not a candidate)
+        return False
+
+
+@contextlib.contextmanager
+def packed_input_lowering():
+    """Inductor lowers the packed GEMMs (`mkl._mkl_linear`, `mkldnn._linear_pointwise`) only with the packed
+    weight as a graph constant (its freezing pass makes it); here the packed weight is a graph input (made
+    at load), so lower each call straight to the same extern kernel (mkldnn_ir.MKLPackedLinear /
+    LinearUnary) with every operand an input; and eagle3::blocked_linear to Inductor's GEMM template over its
+    blocked copy (module doc)."""
+    from torch._inductor import lowering, mkldnn_ir
+    from torch._inductor.ir import FixedLayout, TensorBox
+
+    def mkl_linear(x, packed_w, orig_w, b, batch_size, *, layout=None):
+        return TensorBox.create(mkldnn_ir.MKLPackedLinear.create(x, packed_w, orig_w, b, batch_size))
+
+    def onednn_linear(x, w, b, attr, scalars, algorithm, layout=None):
+        cls = mkldnn_ir.LinearUnary
+        x, w = cls.require_contiguous(cls.realize_input(x)), cls.realize_input(w)  # (w: an opaque oneDNN tensor)
+        inputs = [x, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
+        consts = ([] if b is not None else [None]) + [attr, scalars if scalars else [-1], algorithm]
+        *m, _ = x.get_size()
+        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[*m, w.get_size()[0]]),
+                   inputs=inputs, constant_args=consts)
+        return TensorBox.create(mkldnn_ir._create_output_node(node))
+
+    def onednn_linear_add(x, y, w, b, attr, layout=None):  # (Inductor fuses a following add into the GEMM)
+        cls = mkldnn_ir.LinearBinary
+        x, y = (cls.require_contiguous(cls.realize_input(lowering.view(t, [-1, t.get_size()[-1]]))) for t in (x, y))
+        w = cls.realize_input(w)
+        inputs = [x, y, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
+        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[x.get_size()[0], w.get_size()[0]]),
+                   inputs=inputs, constant_args=([] if b is not None else [None]) + [attr])
+        return TensorBox.create(mkldnn_ir._create_output_node(node))
+
+    def blocked_linear(x, w, n, threads):
+        from torch._inductor import config, ir
+        from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
+        from torch._inductor.select_algorithm import autotune_select_algorithm
+
+        x = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(x))
+        w = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(w))
+        m, k = x.get_size()
+        _, _, bn = w.get_size()
+        layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [m, n])
+        # the template reads its weight's [k, n] shape before laying it out; prep_weight then hands it w as is
+        stand_in = ir.ReinterpretView(data=w.data if isinstance(w, ir.TensorBox) else w,
+                                      layout=ir.FixedLayout(w.get_device(), w.get_dtype(), [k, n], [1, k]))
+
+        class Preblocked(CppGemmTemplate):
+            @classmethod
+            def prep_weight(cls, inputs, layout_, micro_gemm, should_block_weight, *args, **kwargs):
+                if micro_gemm.register_blocking.block_n != bn:
+                    raise RuntimeError(f"blocked weight copy of block_n {bn}, Inductor's micro-kernel for "
+                                       f"({m} x {k}) @ ({k} x {n}) takes {micro_gemm.register_blocking.block_n}")
+                return [inputs[0], w, *inputs[2:]], layout_
+
+        choices: list = []
+        with config.patch({"cpp.threads": int(threads)}):
+            Preblocked.add_choices(choices, layout, [x, stand_in])
+        if len(choices) != 1:
+            raise RuntimeError(f"Inductor's CPU GEMM template made {len(choices)} choices for eagle3::blocked_linear")
+        node, _ = autotune_select_algorithm("eagle3_blocked_linear", choices, [x, w], layout)
+        return node
+
+    ours = {torch.ops.eagle3.blocked_linear: blocked_linear}
+    if torch._C.has_mkl:
+        ours[torch.ops.mkl._mkl_linear] = mkl_linear
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        ours[torch.ops.mkldnn._linear_pointwise] = onednn_linear
+        ours[torch.ops.mkldnn._linear_pointwise.binary] = onednn_linear_add
+    table = {k: fn for op, fn in ours.items() for k in (op, getattr(op, "default", op))
+             if k in lowering.lowerings or op is torch.ops.eagle3.blocked_linear}  # (ours has none by default)
+    old = {k: lowering.lowerings[k] for k in table if k in lowering.lowerings}
+    lowering.lowerings.update(table)
+    try:
+        yield
+    finally:
+        for k in table:
+            lowering.lowerings.pop(k, None)
+        lowering.lowerings.update(old)
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    """Inside: os.environ[name] = value."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
