@@ -18,6 +18,13 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+def _unraisable(u) -> None:
+    """A KeyboardInterrupt that C code swallowed is remembered by _on_sigint and reported once by the command:
+    not also as Python's "Exception ignored in ..." traceback."""
+    if not isinstance(u.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(u)
+
+
 def interrupted() -> bool:
     """Whether Ctrl-C was pressed since the command started (even if its KeyboardInterrupt was lost)."""
     return bool(_interrupts)
@@ -26,6 +33,7 @@ def interrupted() -> bool:
 def _main(module: str) -> int:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where the parent ignores it)
         signal.signal(signal.SIGINT, _on_sigint)
+        sys.unraisablehook = _unraisable
     try:
         return importlib.import_module(module).main()
     except KeyboardInterrupt:  # (escaped the command: during its imports, before it could clean up anything)
