@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eagle3_build.errors import CheckpointError
-from eagle3_build.backends.gemm import F_LINEAR, PLAIN, pick, time_forms
+from eagle3_build.backends.gemm import F_LINEAR, PLAIN, ROUNDS, pick, time_forms
 from eagle3_build.models.linear import SMALL_ROWS
 from eagle3_runtime.packing import PACK_FORMATS, pack_available
 from eagle3_build.models.llama import llama_args
@@ -72,8 +72,9 @@ def main() -> None:
     print(f"{'rows':>4} " + " ".join(f"{f + ' ms':>13}" for f in forms) + "  fastest / chosen")
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        ms = time_forms(shapes, rows, forms, args.repeats, weights=weights)
-        chosen = pick({f: v for f, v in ms.items() if f != F_LINEAR})
+        rounds = time_forms(shapes, rows, forms, args.repeats, weights=weights, rounds=ROUNDS)
+        chosen = pick({f: v for f, v in rounds.items() if f != F_LINEAR})
+        ms = {f: round(statistics.median(v), 3) for f, v in rounds.items()}
         r = {"rows": rows, "ms": ms, "fastest": min(ms, key=ms.get), "chosen": chosen}
         results.append(r)
         print(f"{rows:>4} " + " ".join(f"{ms[f]:>13.1f}" for f in forms) + f"  {r['fastest']} / {chosen}", flush=True)

@@ -268,8 +268,12 @@ def test_pack_weights_option(monkeypatch):
 def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within_the_margin(tmp_path, monkeypatch):
     from eagle3_build.backends import gemm
 
-    assert gemm.pick({"plain": 10.0, "mkl_sgemm": 9.9, "onednn": 12.0}) == "plain"  # within 3%: no flip
-    assert gemm.pick({"plain": 10.0, "mkl_sgemm": 9.0, "onednn": 8.0}) == "onednn"
+    assert gemm.pick({"plain": [10.0], "mkl_sgemm": [9.9], "onednn": [12.0]}) == "plain"  # within 3%: no flip
+    assert gemm.pick({"plain": [10.0], "mkl_sgemm": [9.0], "onednn": [8.0]}) == "onednn"
+    # a later form must win every round: a close call the rounds split goes to the earlier form
+    assert gemm.pick({"onednn": [17.1, 16.8], "blocked": [16.5, 17.0]}) == "onednn"
+    assert gemm.pick({"onednn": [21.0, 21.4], "blocked": [15.0, 15.2]}) == "blocked"
+    assert gemm.pick({"plain": [10.0, 10.0], "mkl_sgemm": [9.0, 12.0], "onednn": [12.0, 8.0]}) == "mkl_sgemm"
     big = [(4096, 4096)] * 60 + [(100, 4096)]  # 4 GB of float32: cut to 1 GiB, every shape kept in proportion
     cut = gemm.fit(big)
     assert sum(o * i * 4 for o, i in cut) <= gemm.MAX_BYTES and (100, 4096) in cut and cut.count((4096, 4096)) == 15
@@ -281,7 +285,7 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     monkeypatch.setattr(gemm, "time_forms", lambda *a, **k: pytest.fail("measured again"))
     assert gemm.choose([(64, 32)] * 4, [99, 2, 1], formats, tmp_path) == first
     measured = []  # a new row count (a new bucket) measures that row count only; the others keep their choice
-    monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(r) or {f: 1.0 for f in forms})
+    monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(r) or {f: [1.0] for f in forms})
     grown = gemm.choose([(64, 32)] * 4, [1, 2, 3, 99], formats, tmp_path)
     assert measured == [3] and {r: grown["rows"][r] for r in first["rows"]} == first["rows"]
     assert gemm.choose([(64, 32)] * 4, [3], formats, tmp_path)["rows"] == {"3": grown["rows"]["3"]}

@@ -139,6 +139,8 @@ def test_blocked_layout_is_inductors():
     """packing.block lays W.T out in [ceil(N / bn), K, bn] blocks, the last zero-padded; eagle3::blocked_linear
     run as is computes x @ W.T from it; compiled (aoti's lowering) it is Inductor's CPU GEMM template over the copy
     as given, to float32 rounding, and a copy blocked otherwise than the template's micro-kernel is refused."""
+    from torch._inductor.utils import run_and_get_code
+
     from eagle3_build.backends import lowerings
     from eagle3_runtime.packing import block, blocked_linear
 
@@ -152,8 +154,30 @@ def test_blocked_layout_is_inductors():
     bn = lowerings.block_n(4, 96, 64, 2)
     w = torch.randn(96, 64)
     fn = torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False, fullgraph=True)
-    with lowerings.packed_input_lowering(), torch.no_grad():
-        torch.testing.assert_close(fn(x, block(w, bn)), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with lowerings.packed_input_lowering(), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        y, code = run_and_get_code(fn, x, block(w, bn))
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+        # the micro-kernel prefetches its weight (this torch's kernel is the one the lowering edits)
+        assert f"B + (k + {lowerings.PREFETCH_K}) * ldb" in "".join(code) and "prefetch" in lowerings.kernel_tag()
         other = next(n for n in (8, 16, 24, 32, 48) if n != bn)
         with pytest.raises(Exception, match=f"blocked weight copy of block_n {other}"):
             torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, block(w, other))
+
+
+def test_a_micro_kernel_the_prefetch_edit_does_not_know_compiles_as_shipped(monkeypatch):
+    """On a torch whose float32 micro-kernel is not the one the edit was written against, the template is
+    compiled as Inductor ships it, and the graphs' cache keys say so."""
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
+
+    from eagle3_build.backends import lowerings
+
+    if not lowerings.available():
+        pytest.skip("Inductor has no vectorised float32 micro-kernel here")
+    monkeypatch.setattr(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL", "// another kernel")
+    lowerings.prefetching_kernel.cache_clear()
+    try:
+        assert lowerings.prefetching_kernel() is None and "prefetch" not in lowerings.kernel_tag()
+        with lowerings.packed_input_lowering():
+            assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL == "// another kernel"
+    finally:
+        lowerings.prefetching_kernel.cache_clear()

@@ -87,7 +87,9 @@ class AotiBackend(PerGraphBackend):
                   "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY,
                   "collectives": "no locality reorder",  # (compile_exported: graphs built before it raced)
                   "line_tables": False}
-        return {**fields, "pack_weights": True} if self.pack_weights else fields  # (unpacked: the old keys)
+        if not self.pack_weights:
+            return fields  # (unpacked: the old keys)
+        return {**fields, "pack_weights": True, "blocked_kernel": lowerings.kernel_tag()}
 
     def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
                     draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:

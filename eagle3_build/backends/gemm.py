@@ -8,7 +8,10 @@ beyond) and each packing of eagle3_runtime.packing that can be made
 here (MKL's sgemm pack, oneDNN's blocked layout, Inductor's CPU GEMM template over its own blocked layout,
 compiled here as the graphs compile it; for a draft stored in bfloat16, oneDNN's bfloat16 GEMM too, measured
 over the draft's own shapes). The fastest wins unless it beats the form before it in
-FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key).
+FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key), and it
+must win in each of ROUNDS rounds timed one after the other (a close call that one round gives a later form and
+the next round an earlier one goes to the earlier form: this host's memory bandwidth drifts by the second, and a
+bandwidth-bound form feels it more than a compute-bound one).
 
 Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch and
 shapes, per row count, so a host measures each once; the manifest's build record keeps it (`inspect` prints
@@ -39,6 +42,7 @@ FORMS = (PLAIN, *FORMATS)
 F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: measured by benchmarks/linear_layout.py, never chosen)
 MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
 MARGIN = 0.03
+ROUNDS = 2
 REPEATS = 25  # per decode-sized row count (AMD EPYC, 2 threads: at 9 the 1-row medians of plain and oneDNN
 # swapped order between runs, at 25 they held); 3 per prefill-sized one (each pass is 10-100x longer)
 
@@ -61,9 +65,10 @@ def fit(shapes: list[tuple[int, int]], max_bytes: int = MAX_BYTES) -> list[tuple
 
 
 def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repeats: int = REPEATS,
-               weights: list[torch.Tensor] | None = None) -> dict[str, float]:
-    """Median ms of one pass of x @ W.T over every shape, x of `rows` rows, per form (interleaved; the
-    first pass warms up and is not kept); a blocked form Inductor fails to compile here is left out."""
+               weights: list[torch.Tensor] | None = None, rounds: int = 1) -> dict[str, list[float]]:
+    """Per form, the median ms of one pass of x @ W.T over every shape, x of `rows` rows, in each of `rounds`
+    rounds of `repeats` passes (forms interleaved; the first pass warms up and is not kept); a blocked form
+    Inductor fails to compile here is left out."""
     torch.manual_seed(0)
     weights = weights if weights is not None else [torch.rand(o, i) - 0.5 for o, i in shapes]
     xs = {w.shape[1]: torch.rand(rows, w.shape[1]) for w in weights}
@@ -87,13 +92,14 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
                 calls[form] = each([(lambda x, w=w, p=pack_weight(w, rows, form), f=form: packed_linear(x, p, w, None, f))
                                     for w in weights])
         ms: dict[str, list[float]] = {f: [] for f in calls}
-        for rep in range(repeats + 1):
+        for rep in range(repeats * rounds + 1):
             for form, run in calls.items():
                 t0 = time.perf_counter()
                 run()
                 if rep:
                     ms[form].append((time.perf_counter() - t0) * 1e3)
-    return {f: round(statistics.median(v), 3) for f, v in ms.items()}
+    return {f: [round(statistics.median(v[i * repeats:(i + 1) * repeats]), 3) for i in range(rounds)]
+            for f, v in ms.items()}
 
 
 def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor]):
@@ -119,11 +125,15 @@ def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Ten
     return lambda: run(*args)
 
 
-def pick(ms: dict[str, float]) -> str:
-    """The fastest form, unless an earlier one in FORMS is within MARGIN of it."""
+def pick(ms: dict[str, list[float]]) -> str:
+    """The fastest form of every round (ms: per form, one median per round), unless an earlier one in FORMS is
+    within MARGIN of it; where the rounds disagree, the earliest in FORMS of their choices."""
     order = [f for f in FORMS if f in ms]
-    best = min(order, key=ms.get)
-    return next(f for f in order if ms[f] <= ms[best] * (1 + MARGIN))
+    picks = set()
+    for i in range(min(len(ms[f]) for f in order)):
+        best = min(order, key=lambda f: ms[f][i])
+        picks.add(next(f for f in order if ms[f][i] <= ms[best][i] * (1 + MARGIN)))
+    return next(f for f in order if f in picks)
 
 
 def forms_for(rows: int, formats: list[str]) -> list[str]:
@@ -134,7 +144,7 @@ def forms_for(rows: int, formats: list[str]) -> list[str]:
 
 
 def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None) -> dict:
-    """{"cpu", "threads", "torch", "rows": {"R": {"choice": form, "ms": {form: ms}}}} for every row count
+    """{"cpu", "threads", "torch", "rows": {"R": {"choice": form, "ms": {form: [ms per round]}}}} for every row count
     in `rows` with a candidate besides "plain" (forms_for); memoised in cache_dir per row count (a new bucket
     measures its own row count only: the others keep their choice, and the graphs their cache keys)."""
     rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS or (r > SMALL_ROWS and len(forms_for(r, formats)) > 1)})
@@ -142,7 +152,7 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
              "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats],
              "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
-             "repeats": REPEATS}
+             "repeats": REPEATS, "rounds": ROUNDS, "blocked_kernel": lowerings.kernel_tag() if BLOCKED in formats else None}
     out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
     path, known = None, {}
     if cache_dir is not None:
@@ -156,8 +166,8 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if missing and formats else []
     for r in missing:
         forms = forms_for(r, formats)
-        ms = time_forms(shapes, r, forms, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights) \
-            if len(forms) > 1 else {PLAIN: 0.0}
+        ms = time_forms(shapes, r, forms, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights, rounds=ROUNDS) \
+            if len(forms) > 1 else {PLAIN: [0.0]}
         known[str(r)] = {"choice": pick(ms), "ms": ms}
     if path is not None and missing:
         path.parent.mkdir(parents=True, exist_ok=True)
