@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks on tiny pairs: spec_report.py (export backend, a chain and a tree shape,
 a few tokens: the report's JSON has both shapes with their acceptance and round costs, the PNG is
-written, and --from-result re-renders it), graph_latency.py, linear_layout.py, prefill_plan.py."""
+written, and --from-result re-renders it), graph_latency.py, engine_ab.py, linear_layout.py, prefill_plan.py."""
 import importlib.util
 import json
 import subprocess
@@ -89,6 +89,21 @@ def test_graph_latency_smoke(tiny_bundles, tmp_path):
     assert all(len(v) == 2 and v[0]["ratio_to_first"] == 1.0 and v[1]["median_ms"] > 0 for v in res["graphs"].values())
     bad = _bench("graph_latency.py", str(bundle), "--graphs", "no_such_graph")
     assert bad.returncode != 0 and "no_such_graph" in bad.stderr
+
+
+@pytest.mark.slow  # (a benchmark, not a product component)
+def test_engine_ab_smoke(tiny_bundles, tmp_path):
+    """The same bundle as A and B: both decode, the same tokens, every loop graph timed for each."""
+    _, bundle = tiny_bundles.get("speculators", 3)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The quick brown fox\nOnce upon a time\n")
+    res = _run_bench("engine_ab.py", str(bundle), str(bundle), "--prompts", str(prompts), "--num-prompts", "2",
+                     "--max-tokens", "12", "--repeats", "1", "--threads", "1", "--no-chat",
+                     "--save-result", str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text()) == res
+    assert res["same_tokens"] and min(res["decode_tok_s"].values()) > 0 and set(res["b_over_a"]) == {"speculative", "plain"}
+    assert {"target_verify_b1", "target_decode_b1", "draft_step_b1"} <= set(res["graphs_ms"])
+    assert all(v["A"] > 0 and v["B"] > 0 for v in res["graphs_ms"].values())
 
 
 def test_linear_layout_smoke(tmp_path):
