@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.bundle import Bundle, BundleError
     from eagle3_runtime.engine import Engine
 
     torch.set_num_threads(args.threads)
@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     times = {n: defaultdict(list) for n in names}
     engines = {}
     for n, d in zip(names, args.bundles):
-        bundle = Bundle(d)
+        try:
+            bundle = Bundle(d)
+        except BundleError as e:
+            ap.error(str(e))
         timed_graphs(bundle, times[n])
         engines[n] = Engine(bundle, speculation="always")
     prompts, chat = encode_prompts(args.bundles[0], prompt_texts(args.prompts, args.num_prompts), not args.no_chat)

@@ -89,7 +89,7 @@ class AotiBackend(PerGraphBackend):
                   "line_tables": False}
         if not self.pack_weights:
             return fields  # (unpacked: the old keys)
-        return {**fields, "pack_weights": True, "blocked_kernel": lowerings.kernel_tag()}
+        return {**fields, "pack_weights": True, **({"blocked_kernel": lowerings.kernel_tag()} if self.device == "cpu" else {})}
 
     def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
                     draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:

@@ -25,9 +25,7 @@ import torch
 from eagle3_runtime import packing  # noqa: F401  (registers eagle3::blocked_linear)
 
 DTYPE = torch.float32
-# k steps of the weight block the micro-kernel prefetches ahead (2-3 KB at block_n 32-48). Xeon (Sapphire Rapids,
-# 2 threads, SmolLM2-135M's 30 layers fused, ms): 8 rows 36.9 -> 27.5, 4 rows 30.2 -> 22.4, 1 row unchanged; 8 and 32
-# steps within 4% of 16 (docs/linear-layout.md)
+# k steps of the weight block the micro-kernel prefetches ahead (2-3 KB at block_n 32-48; measured in docs/linear-layout.md)
 PREFETCH_K = 16
 _WEIGHT_LOAD = ("            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
                 "        {%- endif %}\n    {%- endif %}")  # (the float32 weight's load, full block_n)
