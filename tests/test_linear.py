@@ -1,5 +1,7 @@
 """The projection rule (eagle3_build/models/linear.py): decode-sized float32 inputs are traced
 weight-stationary, prefill-sized ones and other dtypes as F.linear, and both compute x @ W.T (+ b)."""
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,7 +140,8 @@ def test_one_onednn_copy_serves_every_row_count():
 def test_blocked_layout_is_inductors():
     """packing.block lays W.T out in [ceil(N / bn), K, bn] blocks, the last zero-padded; eagle3::blocked_linear
     run as is computes x @ W.T from it; compiled (aoti's lowering) it is Inductor's CPU GEMM template over the copy
-    as given, to float32 rounding, and a copy blocked otherwise than the template's micro-kernel is refused."""
+    as given, to float32 rounding, and a copy blocked otherwise than the template's micro-kernel is refused. The
+    micro-kernel as edited (lowerings.tuned_kernel) computes what Inductor's as shipped does, bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
     from eagle3_build.backends import lowerings
@@ -157,14 +160,32 @@ def test_blocked_layout_is_inductors():
     with lowerings.packed_input_lowering(), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
         y, code = run_and_get_code(fn, x, block(w, bn))
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
-        # the micro-kernel prefetches its weight (this torch's kernel is the one the lowering edits)
-        assert f"B + (k + {lowerings.PREFETCH_K}) * ldb" in "".join(code) and "prefetch" in lowerings.kernel_tag()
+        # the micro-kernel prefetches its weight (this torch's kernel is the one the lowering edits); on x86 its
+        # accumulators are raw registers, the same FMAs in the same order: the shipped kernel's result bit for bit
+        code = "".join(code)
+        assert f"B + (k + {lowerings.PREFETCH_K}) * ldb" in code and "prefetch" in lowerings.kernel_tag()
+        assert "vfma(va, vb[col]" in code and "register" in lowerings.kernel_tag()
         other = next(n for n in (8, 16, 24, 32, 48) if n != bn)
         with pytest.raises(Exception, match=f"blocked weight copy of block_n {other}"):
             torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, block(w, other))
+    simd = {"AVX512": [512, 256], "AVX2": [256]}.get(torch.backends.cpu.get_cpu_capability(), [])
+    compile_ = lambda x, c: torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, c)  # noqa: E731
+    for width in simd:  # (x86: the AVX-512 and AVX2 kernels, as edited and as shipped)
+        for rows in (3, 8):
+            with torch._inductor.config.patch({"cpp.simdlen": width, "fx_graph_cache": False}), torch.no_grad():
+                lowerings._micro_gemm.cache_clear()
+                x, bn = torch.randn(rows, 64), lowerings.block_n(rows, 96, 64, 2)
+                runs = {}
+                for kernel in (lowerings.tuned_kernel, lambda: None):
+                    torch._dynamo.reset()
+                    with mock.patch.object(lowerings, "tuned_kernel", kernel), lowerings.packed_input_lowering():
+                        runs[kernel()], code = run_and_get_code(compile_, x, block(w, bn))
+                    assert ("vfma(va, vb[col]" in "".join(code)) == (kernel() is not None)
+                assert torch.equal(*runs.values()), (width, rows)
+    lowerings._micro_gemm.cache_clear()
 
 
-def test_a_micro_kernel_the_prefetch_edit_does_not_know_compiles_as_shipped(monkeypatch):
+def test_a_micro_kernel_the_edits_do_not_know_compiles_as_shipped(monkeypatch):
     """On a torch whose float32 micro-kernel is not the one the edit was written against, the template is
     compiled as Inductor ships it, and the graphs' cache keys say so."""
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
@@ -174,10 +195,10 @@ def test_a_micro_kernel_the_prefetch_edit_does_not_know_compiles_as_shipped(monk
     if not lowerings.available():
         pytest.skip("Inductor has no vectorised float32 micro-kernel here")
     monkeypatch.setattr(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL", "// another kernel")
-    lowerings.prefetching_kernel.cache_clear()
+    lowerings.tuned_kernel.cache_clear()
     try:
-        assert lowerings.prefetching_kernel() is None and "prefetch" not in lowerings.kernel_tag()
+        assert lowerings.tuned_kernel() is None and lowerings.kernel_tag() == "inductor fp32 micro-kernel"
         with lowerings.packed_input_lowering():
             assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL == "// another kernel"
     finally:
-        lowerings.prefetching_kernel.cache_clear()
+        lowerings.tuned_kernel.cache_clear()

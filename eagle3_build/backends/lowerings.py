@@ -12,7 +12,9 @@ the copy as its weight operand. The copy's block_n must be the one the template'
 GEMM's shape: `block_n` asks Inductor the same question before tracing, and the lowering refuses a copy laid out
 otherwise. Inductor's float32 micro-kernel issues no software prefetch (it has one for int8 weights only); at 4-8
 rows its FMAs then keep the core's loads from running far enough ahead to stream the weight, so the template
-compiled here prefetches each weight block PREFETCH_K k steps ahead (`prefetching_kernel`).
+compiled here prefetches each weight block PREFETCH_K k steps ahead; and since GCC keeps the kernel's array of
+Vectorized accumulators on the stack (a store per FMA), on x86 it runs the same FMAs on raw vector registers
+(`tuned_kernel`).
 """
 from __future__ import annotations
 
@@ -29,26 +31,82 @@ DTYPE = torch.float32
 PREFETCH_K = 16
 _WEIGHT_LOAD = ("            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
                 "        {%- endif %}\n    {%- endif %}")  # (the float32 weight's load, full block_n)
+_VECTORIZED = "    using Vectorized = at::vec::Vectorized<{{compute_t}}>;\n"  # (the kernel body's first line)
+# A float32 kernel on x86 (AVX-512, AVX2) holds its accumulators in raw vector registers: GCC keeps Inductor's
+# array of Vectorized on the stack, a store per FMA (docs/linear-layout.md). The same FMAs in the same order.
+_REGISTERS = """{%- if not trans_b and not tail_n and alpha == 1 and input_dtype == torch.float32
+      and input2_dtype == torch.float32 and output_dtype == torch.float32 and compute_dtype == torch.float32 %}
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    {  // the same FMAs in the same order, on raw vector registers
+#if defined(CPU_CAPABILITY_AVX512)
+        using R = __m512;
+        auto vload = [](const float* p) { return _mm512_loadu_ps(p); };
+        auto vstore = [](float* p, R v) { _mm512_storeu_ps(p, v); };
+        auto vset1 = [](float x) { return _mm512_set1_ps(x); };
+        auto vfma = [](R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); };
+#else
+        using R = __m256;
+        auto vload = [](const float* p) { return _mm256_loadu_ps(p); };
+        auto vstore = [](float* p, R v) { _mm256_storeu_ps(p, v); };
+        auto vset1 = [](float x) { return _mm256_set1_ps(x); };
+        auto vfma = [](R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); };
+#endif
+        constexpr int64_t W = sizeof(R) / sizeof(float);
+        constexpr int64_t ROWS = BLOCK_M;
+        constexpr int64_t COLS = BLOCK_N / W;
+        static_assert(BLOCK_N % W == 0, "block_n must be a multiple of the vector width");
+        R vc[ROWS * COLS];
+        #pragma GCC unroll 64
+        for (int64_t i = 0; i < ROWS * COLS; ++i) {
+            vc[i] = accum ? vload(C + (i / COLS) * ldc + (i % COLS) * W) : vset1(0.0f);
+        }
+        for (int64_t k = 0; k < K; ++k) {
+            R vb[COLS];
+            #pragma GCC unroll 16
+            for (int64_t col = 0; col < COLS; ++col) {
+                __builtin_prefetch(B + (k + AHEAD) * ldb + col * W, 0, 3);
+                vb[col] = vload(B + k * ldb + col * W);
+            }
+            #pragma GCC unroll 16
+            for (int64_t row = 0; row < ROWS; ++row) {
+                R va = vset1(A[row * lda + k]);
+                #pragma GCC unroll 16
+                for (int64_t col = 0; col < COLS; ++col) {
+                    vc[row * COLS + col] = vfma(va, vb[col], vc[row * COLS + col]);
+                }
+            }
+        }
+        #pragma GCC unroll 64
+        for (int64_t i = 0; i < ROWS * COLS; ++i) {
+            vstore(C + (i / COLS) * ldc + (i % COLS) * W, vc[i]);
+        }
+        return;
+    }
+#endif
+{%- endif %}
+"""
 
 
 @functools.lru_cache(maxsize=None)
-def prefetching_kernel() -> str | None:
+def tuned_kernel() -> str | None:
     """Inductor's float32 micro-kernel source with a prefetch of the weight PREFETCH_K k steps ahead of each load
-    (__builtin_prefetch: x86 and ARM), or None where this torch's micro-kernel is not the one this edits (then the
-    template is compiled as Inductor ships it)."""
+    (__builtin_prefetch: x86 and ARM) and, on x86, its accumulators in registers (_REGISTERS); None where this torch's
+    micro-kernel is not the one this edits (then the template is compiled as Inductor ships it)."""
     import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
     src = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
-    if src.count(_WEIGHT_LOAD) != 1:
+    if src.count(_WEIGHT_LOAD) != 1 or src.count(_VECTORIZED) != 1:
         return None
     ahead = f"            __builtin_prefetch(B + (k + {PREFETCH_K}) * ldb + col * VLEN, 0, 3);\n"
-    return src.replace(_WEIGHT_LOAD, ahead + _WEIGHT_LOAD)
+    src = src.replace(_WEIGHT_LOAD, ahead + _WEIGHT_LOAD)
+    return src.replace(_VECTORIZED, _VECTORIZED + _REGISTERS.replace("AHEAD", str(PREFETCH_K)))
 
 
 def kernel_tag() -> str:
     """What the blocked format's graphs are compiled with (in the graphs' cache keys and the GEMM measurement's)."""
-    return f"inductor fp32 micro-kernel, prefetch {PREFETCH_K}" if prefetching_kernel() else "inductor fp32 micro-kernel"
+    return (f"inductor fp32 micro-kernel, prefetch {PREFETCH_K}, x86 register accumulators" if tuned_kernel()
+            else "inductor fp32 micro-kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,7 +212,7 @@ def packed_input_lowering():
     old = {k: lowering.lowerings[k] for k in table if k in lowering.lowerings}
     lowering.lowerings.update(table)
     shipped = CppMicroGemmFP32Vec.TEMPLATE_KERNEL  # (rendered when the graph's code is generated: inside the compile)
-    CppMicroGemmFP32Vec.TEMPLATE_KERNEL = prefetching_kernel() or shipped
+    CppMicroGemmFP32Vec.TEMPLATE_KERNEL = tuned_kernel() or shipped
     try:
         yield
     finally:
