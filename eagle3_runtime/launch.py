@@ -2,7 +2,8 @@
 inside the guard, so that Ctrl-C during its start-up imports (torch alone takes a second) ends the
 same way as later: one line and exit 130, no traceback. A Ctrl-C is also remembered (`interrupted()`): Python
 drops a KeyboardInterrupt raised where C code swallows errors (a dict lookup's __eq__, a finalizer), so a
-command checks before it starts serving, instead of serving after a Ctrl-C that was lost."""
+command checks before it starts serving, instead of serving after a Ctrl-C that was lost; and an error escaping the
+command after a Ctrl-C (native code that wraps the KeyboardInterrupt in its own exception) ends the same way."""
 from __future__ import annotations
 
 import importlib
@@ -37,8 +38,16 @@ def _main(module: str) -> int:
     try:
         return importlib.import_module(module).main()
     except KeyboardInterrupt:  # (escaped the command: during its imports, before it could clean up anything)
-        print("interrupted", file=sys.stderr, flush=True)
-        os._exit(130)  # an import stopped half-way (torch's native init) can abort in interpreter shutdown
+        _exit_interrupted()
+    except Exception:
+        if not _interrupts:
+            raise
+        _exit_interrupted()  # (native code turned the KeyboardInterrupt into its own error: pydantic-core's, seen)
+
+
+def _exit_interrupted() -> None:
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # an import stopped half-way (torch's native init) can abort in interpreter shutdown
 
 
 def run() -> None:

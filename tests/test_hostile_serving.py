@@ -288,6 +288,23 @@ def test_ctrl_c_during_start_up_is_one_line(bundle):
         assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
 
 
+def test_ctrl_c_that_native_code_wraps_is_one_line(tmp_path):
+    """A Ctrl-C inside native code during the imports can come out as that code's own error (pydantic-core's
+    SchemaError while FastAPI builds its models: seen once in CI); after a Ctrl-C it is one line and 130 too."""
+    (tmp_path / "wrapping_import.py").write_text(
+        "from eagle3_runtime import launch\n"
+        "try:\n    launch._on_sigint(2, None)\n"
+        "except KeyboardInterrupt as e:\n    raise RuntimeError('SchemaError: KeyboardInterrupt') from e\n")
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from eagle3_runtime import launch; " \
+           "sys.exit(launch._main('wrapping_import'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and "interrupted" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / "failing_import.py").write_text("raise RuntimeError('a real error')\n")  # (no Ctrl-C: as it is)
+    r = subprocess.run([sys.executable, "-c", code.replace("wrapping_import", "failing_import")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "a real error" in r.stderr, r.stderr
+
+
 def test_thread_counts_are_capped_at_the_cores(bundle, monkeypatch):
     """A million threads (which segfaulted after 50 s) is the cores this process may use; WORLD_SIZE that
     is not a number is one line."""
