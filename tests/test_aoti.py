@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli
 from test_tp import torchrun
 
-from eagle3_build.backends.aoti import buildable
+from eagle3_build.backends.aoti import buildable, lean_wrapper_available
 from eagle3_runtime.manifest import FUSED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BF16, NO_PACK, pack_available
 
@@ -93,6 +93,9 @@ def test_aoti_tp2_under_torchrun(world):
     assert_packed_projections(m)
     for g in m["graphs"]:  # no compiled kernel reads an all-reduce's buffer before its wait
         assert reads_before_wait(aoti / g["file"]["path"]) == [], g["name"]
+        if lean_wrapper_available():  # AOTI's opt-in per-input check functions are not written
+            wrapper = wrapper_source(aoti / g["file"]["path"])
+            assert "check_input_0(" not in wrapper and "__check_inputs_outputs(" in wrapper, g["name"]
     got = generate(aoti, tp=2)
     assert got["token_ids"] == reference(world, got["prompt_token_ids"])
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
@@ -105,14 +108,19 @@ def test_aoti_tp2_under_torchrun(world):
             assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
 
 
+def wrapper_source(package: Path) -> str:
+    """The generated C++ wrapper of an AOTI package."""
+    with zipfile.ZipFile(package) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".wrapper.cpp")]
+        return z.read(name).decode()
+
+
 def reads_before_wait(package: Path) -> list[str]:
     """Lines of the package's generated C++ wrapper that use an in-place all-reduce's buffer between the
     collective and its wait_tensor (a race under gloo: Inductor's locality reorder once produced one)."""
     import re
 
-    with zipfile.ZipFile(package) as z:
-        (name,) = [n for n in z.namelist() if n.endswith(".wrapper.cpp")]
-        lines = z.read(name).decode().splitlines()
+    lines = wrapper_source(package).splitlines()
     bad = []
     for i, line in enumerate(lines):
         m = re.search(r"_c10d_functional_all_reduce_\((buf\d+),", line)

@@ -185,6 +185,38 @@ def test_blocked_layout_is_inductors():
     lowerings._micro_gemm.cache_clear()
 
 
+def test_each_template_source_is_parsed_once():
+    """Inside packed_input_lowering Inductor's jinja parse is memoised per template source (one Template object
+    per text), the code it generates is the code Inductor's own parse gives, and leaving restores Inductor's."""
+    from torch._inductor.codegen.common import KernelTemplate
+    from torch._inductor.utils import run_and_get_code
+
+    from eagle3_build.backends import lowerings
+    from eagle3_runtime.packing import block, blocked_linear
+
+    if not lowerings.available():
+        pytest.skip("Inductor has no vectorised float32 micro-kernel here")
+    shipped = KernelTemplate.__dict__["_template_from_string"]
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(4, 64)
+    c = block(w, lowerings.block_n(4, 96, 64, 2))
+    codes, memoised = [], lowerings._parsed_once
+    for parse_once in (memoised, lambda parse: parse):
+        torch._dynamo.reset()
+        with mock.patch.object(lowerings, "_parsed_once", parse_once), lowerings.packed_input_lowering(), \
+                torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+            t = KernelTemplate._template_from_string("x{{ y }}")
+            assert (t is KernelTemplate._template_from_string("x{{ y }}")) == (parse_once is memoised)
+            assert t.render(y=1) == "x1"
+            fn = torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)
+            y, code = run_and_get_code(fn, x, c)
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+        codes.append([line for line in "".join(code).splitlines() if not line.startswith("# AOT ID")])  # (a counter)
+    assert codes[0] == codes[1]
+    assert KernelTemplate.__dict__["_template_from_string"] is shipped
+    assert KernelTemplate._template_from_string("x") is not KernelTemplate._template_from_string("x")
+
+
 def test_a_micro_kernel_the_edits_do_not_know_compiles_as_shipped(monkeypatch):
     """On a torch whose float32 micro-kernel is not the one the edit was written against, the template is
     compiled as Inductor ships it, and the graphs' cache keys say so."""

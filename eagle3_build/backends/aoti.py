@@ -29,7 +29,7 @@ from ..errors import UserError
 from ..files import atomic_write
 from ..recipe import check_backend_options
 from . import gemm, lowerings
-from .lowerings import env, packed_input_lowering
+from .lowerings import env, lean_wrapper, lean_wrapper_available, packed_input_lowering
 from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
@@ -86,10 +86,11 @@ class AotiBackend(PerGraphBackend):
         fields = {"name": NAME, "version": self.version(), "target": self.target(),
                   "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY,
                   "collectives": "no locality reorder",  # (compile_exported: graphs built before it raced)
-                  "line_tables": False}
+                  "line_tables": False, **({"input_checks": "none written"} if lean_wrapper_available() else {})}
         if not self.pack_weights:
             return fields  # (unpacked: the old keys)
-        return {**fields, "pack_weights": True, **({"blocked_kernel": lowerings.kernel_tag()} if self.device == "cpu" else {})}
+        kernel = {"blocked_kernel": lowerings.kernel_tag()} if self.device == "cpu" else {}
+        return {**fields, "pack_weights": True, **kernel}
 
     def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
                     draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:
@@ -145,7 +146,7 @@ class AotiBackend(PerGraphBackend):
                 # all-reduce in flight under gloo: logits off by ~10); keep the traced order for TP graphs
                 patch["reorder_for_locality"] = False
             with env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
-                    packed_input_lowering():
+                    packed_input_lowering(), lean_wrapper():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(out),
                                                          inductor_configs=self.inductor_configs)
         finally:

@@ -119,7 +119,8 @@ def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Ten
 
     args = (tuple(xs[k] for k in ks), copies)
     with tempfile.TemporaryDirectory(prefix="eagle3-gemm-") as d, lowerings.env("TORCHINDUCTOR_CACHE_DIR", d), \
-            lowerings.packed_input_lowering(), torch._inductor.config.patch({"compile_threads": 1}):
+            lowerings.packed_input_lowering(), lowerings.lean_wrapper(), \
+            torch._inductor.config.patch({"compile_threads": 1}):
         ep = torch.export.export(Pass(), args, strict=False)
         run = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/pass.pt2"))
     return lambda: run(*args)

@@ -15,6 +15,9 @@ rows its FMAs then keep the core's loads from running far enough ahead to stream
 compiled here prefetches each weight block PREFETCH_K k steps ahead; and since GCC keeps the kernel's array of
 Vectorized accumulators on the stack (a store per FMA), on x86 it runs the same FMAs on raw vector registers
 (`tuned_kernel`).
+
+Two edits only make compiling cheaper, the code generated for the kernels unchanged: each template source is
+parsed once (`_parsed_once`), and AOTI's per-input debugging checks are not written (`lean_wrapper`).
 """
 from __future__ import annotations
 
@@ -138,14 +141,23 @@ def available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed_once(parse):
+    """Inductor's jinja parse of a template source, memoised per source: it parses the GEMM template and its
+    micro-kernel's afresh for every GEMM it renders (~0.1 s each: about half the time of compiling a graph of 121
+    GEMMs); a parsed jinja Template renders any number of times."""
+    return functools.lru_cache(maxsize=256)(parse)
+
+
 @contextlib.contextmanager
 def packed_input_lowering():
     """Inductor lowers the packed GEMMs (`mkl._mkl_linear`, `mkldnn._linear_pointwise`) only with the packed
     weight as a graph constant (its freezing pass makes it); here the packed weight is a graph input (made
     at load), so lower each call straight to the same extern kernel (mkldnn_ir.MKLPackedLinear /
     LinearUnary) with every operand an input; and eagle3::blocked_linear to Inductor's GEMM template over its
-    blocked copy, its micro-kernel prefetching (module doc)."""
+    blocked copy, its micro-kernel prefetching (module doc); and each template source is parsed once (_parsed_once)."""
     from torch._inductor import lowering, mkldnn_ir
+    from torch._inductor.codegen.common import KernelTemplate
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
     from torch._inductor.ir import FixedLayout, TensorBox
 
@@ -213,13 +225,51 @@ def packed_input_lowering():
     lowering.lowerings.update(table)
     shipped = CppMicroGemmFP32Vec.TEMPLATE_KERNEL  # (rendered when the graph's code is generated: inside the compile)
     CppMicroGemmFP32Vec.TEMPLATE_KERNEL = tuned_kernel() or shipped
+    parse = KernelTemplate.__dict__["_template_from_string"]
+    KernelTemplate._template_from_string = staticmethod(_parsed_once(parse.__func__))
     try:
         yield
     finally:
+        KernelTemplate._template_from_string = parse
         CppMicroGemmFP32Vec.TEMPLATE_KERNEL = shipped
         for k in table:
             lowering.lowerings.pop(k, None)
         lowering.lowerings.update(old)
+
+
+def lean_wrapper_available() -> bool:
+    """Whether this torch's AOTI wrapper codegen is the one lean_wrapper edits."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    return callable(CppWrapperCpu.__dict__.get("generate_input_output_runtime_checks"))
+
+
+@contextlib.contextmanager
+def lean_wrapper():
+    """AOTI writes, for every graph input, a function that checks its dtype, sizes, strides and device when
+    AOTI_RUNTIME_CHECK_INPUTS is set (a debugging aid, ~60 lines each: 24k of a target graph's 30k wrapper lines,
+    ~60% of its g++ time). The runtime checks every call's inputs against the manifest (backends.base.Graph) and
+    binds the weights it validated at load; inside this, Inductor writes those functions over no inputs."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    from torch._inductor.virtualized import V
+
+    if not lean_wrapper_available():
+        yield
+        return
+    shipped = CppWrapperCpu.__dict__["generate_input_output_runtime_checks"]
+
+    def over_no_inputs(self):
+        inputs, V.graph.graph_inputs = V.graph.graph_inputs, {}
+        try:
+            shipped(self)
+        finally:
+            V.graph.graph_inputs = inputs
+
+    CppWrapperCpu.generate_input_output_runtime_checks = over_no_inputs
+    try:
+        yield
+    finally:
+        CppWrapperCpu.generate_input_output_runtime_checks = shipped
 
 
 @contextlib.contextmanager
