@@ -225,12 +225,14 @@ def packed_input_lowering():
     lowering.lowerings.update(table)
     shipped = CppMicroGemmFP32Vec.TEMPLATE_KERNEL  # (rendered when the graph's code is generated: inside the compile)
     CppMicroGemmFP32Vec.TEMPLATE_KERNEL = tuned_kernel() or shipped
-    parse = KernelTemplate.__dict__["_template_from_string"]
-    KernelTemplate._template_from_string = staticmethod(_parsed_once(parse.__func__))
+    parse = KernelTemplate.__dict__.get("_template_from_string")  # (a staticmethod; absent elsewhere: parsed as shipped)
+    if isinstance(parse, staticmethod):
+        KernelTemplate._template_from_string = staticmethod(_parsed_once(parse.__func__))
     try:
         yield
     finally:
-        KernelTemplate._template_from_string = parse
+        if isinstance(parse, staticmethod):
+            KernelTemplate._template_from_string = parse
         CppMicroGemmFP32Vec.TEMPLATE_KERNEL = shipped
         for k in table:
             lowering.lowerings.pop(k, None)
