@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle3_build.verify.reference import target_location
     from eagle3_runtime.reader import read_manifest
-    from eagle3_runtime.packing import cpu_model
+    from eagle3_runtime.packing import cpu_description
     from eagle3_runtime.tp import set_threads
 
     load_at_start = round(os.getloadavg()[0], 2)  # other work on the host skews both figures
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a == b for a, b in zip(rt.pop("_tokens"), hf_tokens))
     res = {"bundle": str(args.bundle), "backend": manifest.backend, "threads": threads, "chat": chat,
            "prompts": len(prompts), "max_tokens": args.max_tokens, "load_avg_1m_at_start": load_at_start,
-           "cpu": cpu_model(), "runtime": rt, "transformers_eager": hf,
+           "cpu": cpu_description(), "runtime": rt, "transformers_eager": hf,
            "runtime_vs_eager": round(rt["spec"]["decode_tok_s"] / hf["decode_tok_s"], 3),
            "plain_equals_eager": f"{same}/{len(prompts)}"}
     acc = rt["acceptance"]

@@ -512,9 +512,9 @@ def upgrade_result(res: dict) -> dict:
 def machine(threads: int) -> dict:
     import torch
 
-    from eagle3_runtime.packing import cpu_model
+    from eagle3_runtime.packing import cpu_description
 
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpu": cpu_description(), "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
             "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 

@@ -57,17 +57,30 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the vector ISA torch runs on it ("AMD EPYC" names both AVX2 and AVX-512 parts):
+    what a measurement names its host by."""
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on this CPU (AVX-512 or AVX-NE-CONVERT: not on an AVX2-only one)."""
+    return onednn_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and \
+        bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_available(fmt: str) -> bool:
-    """Whether this torch can make `fmt`-packed copies."""
+    """Whether this torch can make `fmt`-packed copies on this CPU."""
     if fmt == "mkl_sgemm":
         return torch.backends.mkl.is_available()
     if fmt == BLOCKED:
         return True
-    return fmt in ONEDNN_FORMATS and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return fmt in ONEDNN_FORMATS and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and (fmt != BF16 or onednn_bf16_available())
 
 
 def copy_key(p: PackedWeight) -> tuple:

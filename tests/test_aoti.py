@@ -2,7 +2,9 @@
 per graph for every rank, TP collectives compiled in and run under gloo (torchrun). Greedy output ==
 the export bundle == transformers' greedy generate of the target."""
 import json
+import re
 import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -190,6 +192,89 @@ def assert_packed_projections(m: dict) -> None:
         assert len(groups) == 2 * layers
     else:
         assert len(verify["packed"]) == 7 * layers + 1  # q k v o gate up down per layer, lm_head
+
+
+def compile_command(package: Path) -> str:
+    """The g++ command lines Inductor noted in an AOTI package's kernel source."""
+    with zipfile.ZipFile(package) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".kernel.cpp")]
+        return "\n".join(line for line in z.read(name).decode().splitlines() if line.startswith("// g++ "))
+
+
+AVX512_CODE = re.compile(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|\{%k[1-7]\}")  # (registers only AVX-512 has)
+
+
+def avx512_instructions(package: Path, tmp: Path) -> int:
+    """Instructions of the package's native code that name a register only AVX-512 has (objdump)."""
+    with zipfile.ZipFile(package) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".so")]
+        so = tmp / f"{package.stem}.so"
+        so.write_bytes(z.read(name))
+    r = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True, check=True)
+    return sum(bool(AVX512_CODE.search(line)) for line in r.stdout.splitlines())
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not shutil.which("objdump"),
+                    reason="an x86 host with AVX2 and binutils' objdump")
+def test_a_bundle_built_for_avx2_runs_where_only_avx2_does(world, tmp_path, monkeypatch):
+    """backend_options.cpu_isa: avx2 builds the graphs for AVX2 on any host that runs AVX2 code (an AVX-512 CI
+    host building for a fleet of AVX2 servers): no AVX-512 instruction in any package (where this host has
+    AVX-512, its own build has them), the GEMM template's blocked copies laid out for the AVX2 micro-kernel,
+    output == transformers; an AVX2 host loads it and refuses the host-ISA bundle with the option as the fix.
+    oneDNN's bfloat16 GEMM, which AVX2 CPUs lack, is never the draft's there."""
+    from eagle3_build.backends.aoti import AotiBackend
+    from eagle3_build.errors import UserError
+    from eagle3_runtime.backends.aoti import AotiBackend as RuntimeAoti
+    from eagle3_runtime.manifest import Manifest
+
+    opts = {"cpu_isa": "avx2", **({"pack_weights": "blocked"} if buildable("blocked") else {})}
+    built = world["tiny"].bundle(k=1, recipe={**AOTI_RECIPE, "backend": "aoti", "backend_options": opts}, jobs=2)
+    m = built.manifest
+    assert m["toolchain"]["aoti_target"] == "cpu:AVX2"
+    for g in m["graphs"]:
+        assert avx512_instructions(built.path / g["file"]["path"], tmp_path) == 0, g["name"]
+    if buildable("blocked"):
+        assert {p["block_n"] for g in m["graphs"] for p in g["packed"]} <= {8, 16, 24}  # (AVX2's register blocks)
+    assert m["toolchain"]["aoti_march"] == "x86-64-v3" and "-march=x86-64-v3 -mtune=native" in compile_command(
+        built.path / m["graphs"][0]["file"]["path"])
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # (the check can fail: the host's own build)
+        own = build(world, "aoti", 2)
+        package = own.path / own.manifest["graphs"][0]["file"]["path"]
+        assert own.manifest["toolchain"]["aoti_target"] == "cpu:AVX512" and avx512_instructions(package, tmp_path) > 0
+        # ... for the portable AVX-512 level (x86-64-v4: Intel's and AMD's), not this CPU model's -march=native
+        assert own.manifest["toolchain"]["aoti_march"] == "x86-64-v4" and "-march=native" not in compile_command(package)
+        assert AotiBackend({"cpu_isa": "avx2"}).key_fields("target_decode") != AotiBackend({}).key_fields("target_decode")
+    got = generate(built.path)
+    assert got["token_ids"] == reference(world, got["prompt_token_ids"])
+    # an AVX2 host: this bundle passes the check; one built for AVX-512 is refused, naming the option
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    avx2 = Manifest.model_validate(m)
+    assert all(c.ok for c in RuntimeAoti.host_checks(avx2, {}))
+    wide = avx2.model_copy(update={"toolchain": {**avx2.toolchain, "aoti_target": "cpu:AVX512"}})
+    (bad,) = [c for c in RuntimeAoti.host_checks(wide, {}) if not c.ok]
+    assert "compiled for AVX512 CPUs, this host supports AVX2" in bad.detail and "cpu_isa: avx2" in bad.detail
+    with pytest.raises(UserError, match="cpu_isa avx512: this build host runs AVX2 code"):
+        AotiBackend({"cpu_isa": "avx512"})
+    monkeypatch.undo()
+    # oneDNN has no bfloat16 GEMM on AVX2 CPUs: not a candidate for the draft of an AVX2 build, refused when named,
+    # and a bundle that calls it is refused at load where oneDNN cannot run it
+    assert not AotiBackend({"cpu_isa": "avx2"}).bf16()
+    rec = AotiBackend({"cpu_isa": "avx2"}).pack_choice("float32", [(64, 32)], [1], None, [(64, 32)], draft_bf16=True)
+    assert all(BF16 not in v["ms"] for v in rec["draft"]["rows"].values())
+    with pytest.raises(UserError, match="draft_bfloat16: true: oneDNN's bfloat16 GEMM is not available"):
+        AotiBackend({"cpu_isa": "avx2", "draft_bfloat16": True})
+    two = build(world, "aoti", 2).manifest
+    if any(p["format"] == BF16 for g in two["graphs"] for p in g["packed"]):
+        monkeypatch.setattr("eagle3_runtime.backends.aoti.onednn_bf16_available", lambda: False)
+        (bad,) = [c for c in RuntimeAoti.host_checks(Manifest.model_validate(two), {}) if not c.ok]
+        assert "oneDNN's bfloat16 GEMM" in bad.detail and "draft_bfloat16: false" in bad.detail
+        monkeypatch.undo()
+    with pytest.raises(UserError, match="cpu_isa 'avx1024': choose host"):
+        AotiBackend({"cpu_isa": "avx1024"})
+    r = run_cli("eagle3-build", "compile", str(world["tiny"].recipe(k=1, recipe={
+        "backend": "aoti", "backend_options": {"cpu_isa": ["avx2"]}})), "--out", str(tmp_path / "never"))
+    assert r.returncode == 2 and "backend_options.cpu_isa ['avx2']: choose host" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "never").exists()
 
 
 def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):

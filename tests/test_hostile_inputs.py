@@ -238,7 +238,7 @@ def test_unknown_export_backend_option(tmp_path):
     with pytest.raises(UserError, match=r"backend_options.threads: unknown option 'threads' for backend export"):
         get_backend("export", {"threads": 4})
     with pytest.raises(UserError, match=r"'threads' for backend aoti \(it takes device, inductor_configs, pack_weights, "
-                                        r"draft_bfloat16\)"):
+                                        r"draft_bfloat16, cpu_isa\)"):
         get_backend("aoti", {"threads": 4})
 
 

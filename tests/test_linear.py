@@ -220,6 +220,7 @@ def test_each_template_source_is_parsed_once():
 def test_a_micro_kernel_the_edits_do_not_know_compiles_as_shipped(monkeypatch):
     """On a torch whose float32 micro-kernel is not the one the edit was written against, the template is
     compiled as Inductor ships it, and the graphs' cache keys say so."""
+    import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
     from eagle3_build.backends import lowerings

@@ -10,6 +10,7 @@ warm cache appends compile commands to the packaged sources; paths enter debug i
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import platform
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+from eagle3_runtime.backends.aoti import CPU_ISA_RANK
 from eagle3_runtime.manifest import BLOCKED, GRAPH_FORMATS, dtype_name
 from eagle3_runtime.packing import BF16, PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
@@ -37,6 +39,9 @@ NAME = "aoti"
 SUFFIX = ".pt2"
 JOB_MEMORY_GB = 2.0  # Inductor + g++ per compile job (measured ~1.2 GB peak for a tiny graph)
 DEVICES = ("cpu", "cuda")
+# backend_options.cpu_isa -> (Inductor's vector width, the x86-64 psABI level g++ compiles for: code any CPU of that
+# level runs, where Inductor's default -march=native may use what only the build host's CPU model has)
+CPU_ISAS = {"avx2": (256, "x86-64-v3"), "avx512": (512, "x86-64-v4")}
 
 
 class AotiBackend(PerGraphBackend):
@@ -52,6 +57,11 @@ class AotiBackend(PerGraphBackend):
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("backend_options.device cuda: this machine has no CUDA device (or torch is a CPU "
                             "build); build on a GPU host or use device: cpu")
+        cpu_isa = opts.pop("cpu_isa", "host")
+        if self.device != "cpu" and cpu_isa != "host":
+            raise UserError("backend_options.cpu_isa names the vector ISA of CPU graphs; with device: cuda leave it "
+                            "out")
+        self.cpu_isa = self._cpu_isa(cpu_isa) if self.device == "cpu" else None  # (None: Inductor's own flags)
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
         self.pack_weights = opts.pop("pack_weights", True)
         if not (isinstance(self.pack_weights, bool) or self.pack_weights in PACK_FORMATS):
@@ -68,10 +78,42 @@ class AotiBackend(PerGraphBackend):
         if self.draft_bfloat16 is True and not self.pack_weights:
             raise UserError("backend_options.draft_bfloat16: true needs packed weights: set pack_weights to true "
                             "(or a format), or draft_bfloat16 to auto or false")
-        if self.draft_bfloat16 is True and not buildable(BF16):
-            raise UserError("backend_options.draft_bfloat16: true: this torch cannot make oneDNN bfloat16 weights "
-                            "(x86 torch with oneDNN needed); use auto or false")
+        if self.draft_bfloat16 is True and not self.bf16():
+            raise UserError("backend_options.draft_bfloat16: true: oneDNN's bfloat16 GEMM is not available to these "
+                            "graphs (it needs x86 torch with oneDNN, and AVX-512 CPUs here and where they are served: "
+                            "not cpu_isa avx2); use auto or false")
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
+
+    @staticmethod
+    def _cpu_isa(cpu_isa) -> str | None:
+        """The key of CPU_ISAS the graphs are compiled for: backend_options.cpu_isa, or with "host" the build
+        host's own vector ISA; None off x86 (Inductor's flags for the host). Refused where the build host
+        cannot run the code (the build times GEMMs and verifies the graphs here)."""
+        host = torch.backends.cpu.get_cpu_capability()
+        x86 = platform.machine() in ("x86_64", "AMD64")
+        if cpu_isa == "host":
+            return host.lower() if x86 and host.lower() in CPU_ISAS else None
+        if not isinstance(cpu_isa, str) or cpu_isa not in CPU_ISAS:
+            raise UserError(f"backend_options.cpu_isa {cpu_isa!r}: choose host (this build host's widest vector ISA, "
+                            f"the default) or one of {', '.join(CPU_ISAS)} (x86: the ISA every serving host has)")
+        if not x86 or CPU_ISA_RANK.get(host, 0) < CPU_ISA_RANK[cpu_isa.upper()]:
+            raise UserError(f"backend_options.cpu_isa {cpu_isa}: this build host runs {host} code, and the build "
+                            f"times GEMMs and verifies the graphs here; build on a host with {cpu_isa.upper()}, or "
+                            "use cpu_isa: host")
+        return cpu_isa
+
+    def bf16(self) -> bool:
+        """Whether oneDNN's bfloat16 GEMM can serve the draft: made here, and run on the CPUs the graphs are for
+        (oneDNN has no bfloat16 path on AVX2 CPUs)."""
+        return buildable(BF16) and self.cpu_isa != "avx2"
+
+    def codegen(self):
+        """Inductor set to compile for the graphs' ISA and psABI level (tuned for this host: -mtune=native)."""
+        if self.cpu_isa is None:
+            return contextlib.nullcontext()
+        simdlen, level = CPU_ISAS[self.cpu_isa]
+        # (Inductor writes "-march={cpp.march}" into a command line it splits shell-wise)
+        return torch._inductor.config.patch({"cpp.simdlen": simdlen, "cpp.march": f"{level} -mtune=native"})
 
     def version(self) -> str:
         return torch.__version__
@@ -80,13 +122,14 @@ class AotiBackend(PerGraphBackend):
         if self.device == "cuda":
             major, minor = torch.cuda.get_device_capability()
             return f"cuda:sm_{major}{minor}"
-        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+        return f"cpu:{self.cpu_isa.upper() if self.cpu_isa else torch.backends.cpu.get_cpu_capability()}"
 
     def key_fields(self, role: str) -> dict:
         fields = {"name": NAME, "version": self.version(), "target": self.target(),
                   "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY,
                   "collectives": "no locality reorder",  # (compile_exported: graphs built before it raced)
-                  "line_tables": False, **({"input_checks": "none written"} if lean_wrapper_available() else {})}
+                  "line_tables": False, **({"input_checks": "none written"} if lean_wrapper_available() else {}),
+                  **({"march": CPU_ISAS[self.cpu_isa][1]} if self.cpu_isa else {})}
         if not self.pack_weights:
             return fields  # (unpacked: the old keys)
         kernel = {"blocked_kernel": lowerings.kernel_tag()} if self.device == "cpu" else {}
@@ -107,16 +150,19 @@ class AotiBackend(PerGraphBackend):
             if bf16 and self.draft_bfloat16 is True:
                 return gemm.named(BF16, rows)
             if self.pack_weights is True:
-                return gemm.choose(shapes_, rows, exact + ([BF16] if bf16 and buildable(BF16) else []), cache_dir)
+                return gemm.choose(shapes_, rows, exact + ([BF16] if bf16 and self.bf16() else []), cache_dir)
             return gemm.named(self.pack_weights, rows)
 
-        out = record(shapes, False)
-        if draft_shapes is not None:
-            out["draft"] = record(draft_shapes, self.draft_bfloat16 is True or (self.draft_bfloat16 == "auto" and draft_bf16))
+        with self.codegen():  # (blocked forms are compiled for the bundle's ISA, and timed here)
+            out = record(shapes, False)
+            if draft_shapes is not None:
+                bf16 = self.draft_bfloat16 is True or (self.draft_bfloat16 == "auto" and draft_bf16)
+                out["draft"] = record(draft_shapes, bf16)
         return out
 
     def toolchain(self) -> dict[str, str]:
-        return {"aoti_device": self.device, "aoti_target": self.target()}
+        return {"aoti_device": self.device, "aoti_target": self.target(),
+                **({"aoti_march": CPU_ISAS[self.cpu_isa][1]} if self.cpu_isa else {})}
 
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per worker) before compiling: skip Inductor's per-process CPU ISA
@@ -145,7 +191,7 @@ class AotiBackend(PerGraphBackend):
                 # result above the collective's wait_tensor (seen: a TP-2 verify graph's final norm read its
                 # all-reduce in flight under gloo: logits off by ~10); keep the traced order for TP graphs
                 patch["reorder_for_locality"] = False
-            with env("TORCHINDUCTOR_CACHE_DIR", str(work)), torch._inductor.config.patch(patch), \
+            with env("TORCHINDUCTOR_CACHE_DIR", str(work)), self.codegen(), torch._inductor.config.patch(patch), \
                     packed_input_lowering(), lean_wrapper():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(out),
                                                          inductor_configs=self.inductor_configs)

@@ -148,12 +148,16 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     """{"cpu", "threads", "torch", "rows": {"R": {"choice": form, "ms": {form: [ms per round]}}}} for every row count
     in `rows` with a candidate besides "plain" (forms_for); memoised in cache_dir per row count (a new bucket
     measures its own row count only: the others keep their choice, and the graphs their cache keys)."""
+    import torch._inductor.config
+
     rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS or (r > SMALL_ROWS and len(forms_for(r, formats)) > 1)})
     shapes = fit(shapes)
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
              "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats],
              "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
              "repeats": REPEATS, "rounds": ROUNDS, "blocked_kernel": lowerings.kernel_tag() if BLOCKED in formats else None}
+    if torch._inductor.config.cpp.simdlen:  # (what the aoti backend compiles blocked forms for: its codegen())
+        ident["code"] = [torch._inductor.config.cpp.simdlen, torch._inductor.config.cpp.march]
     out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
     path, known = None, {}
     if cache_dir is not None:

@@ -113,7 +113,8 @@ def kernel_tag() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _micro_gemm(rows: int, n: int, k: int, threads: int):
+def _micro_gemm(rows: int, n: int, k: int, threads: int, simdlen: int | None):
+    # (simdlen: Inductor's cpp.simdlen, which create_micro_gemm reads itself; here a cache key)
     import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
     from torch._inductor.codegen.cpp_micro_gemm import create_micro_gemm
     from torch._inductor.graph import GraphLowering
@@ -129,7 +130,9 @@ def _micro_gemm(rows: int, n: int, k: int, threads: int):
 def block_n(rows: int, n: int, k: int, threads: int) -> int | None:
     """The block_n of the micro-kernel Inductor's template takes for a float32 (rows x k) @ (k x n) on `threads`
     threads on this CPU, or None where it has no vectorised one (then the blocked format is not offered)."""
-    mg = _micro_gemm(rows, n, k, threads)
+    import torch._inductor.config
+
+    mg = _micro_gemm(rows, n, k, threads, torch._inductor.config.cpp.simdlen)
     return None if mg is None else mg.register_blocking.block_n
 
 

@@ -4,6 +4,7 @@ and the weights padded, sharded and written one file per rank."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import shutil
@@ -121,8 +122,9 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
                              for group in ([idx] if pack[rows] in FUSED_FORMATS else [(i,) for i in idx])]
             module.packable, module.gemm_threads = None, threads
             shapes = [(sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]) for idx, _, _ in module.packed]
-            blocks = [lowerings.block_n(rows, *shape, threads) if fmt == BLOCKED else None
-                      for shape, (_, rows, fmt) in zip(shapes, module.packed)]
+            with backend.codegen():  # (the micro-kernel of the ISA the graph is compiled for)
+                blocks = [lowerings.block_n(rows, *shape, threads) if fmt == BLOCKED else None
+                          for shape, (_, rows, fmt) in zip(shapes, module.packed)]
             weights += tuple(packed_example(shape, rows, fmt, bn)
                              for shape, (_, rows, fmt), bn in zip(shapes, module.packed, blocks))
             packed = [PackedWeight(weight=qnames[idx[0]], fused=[qnames[i] for i in idx[1:]], rows=rows, format=fmt,
@@ -205,6 +207,10 @@ class PerGraphBackend(Backend):
     @abc.abstractmethod
     def compile_exported(self, ep, out: Path, key: str, role: str) -> dict:
         """Compile one graph to `out`; returns the info recorded in the manifest's graph entry."""
+
+    def codegen(self) -> contextlib.AbstractContextManager:
+        """Inside: what the compiler is set to generate code for (the aoti backend's CPU vector ISA)."""
+        return contextlib.nullcontext()
 
     def write_graphs(self, bm: BuildModels, root: Path, cache: CompileCache, jobs: int | None, report: Report,
                      require_cached: bool) -> Written:

@@ -19,7 +19,7 @@ from .schema import (PairRecipe, RawPair, RawSource, RawSpecSection, RawSpeculat
                      describe_value, get_path, is_int, pos_int, pydantic_message)
 
 # the backend_options each backend understands (checked here with the recipe line, and by get_backend)
-BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs", "pack_weights", "draft_bfloat16"),
+BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs", "pack_weights", "draft_bfloat16", "cpu_isa"),
                    "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags")}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 HF_RE = re.compile(r"hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?\Z")

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..manifest import BundleError, GraphEntry, Manifest
-from ..packing import describe_choice
+from ..packing import BF16, describe_choice, onednn_bf16_available
 from ..signature import Signature, aoti_signature, read_zip_signature
 from .base import BACKEND, DEVICE, Check, GraphFn
 from .host import HostBackend
@@ -39,12 +39,19 @@ class AotiBackend(HostBackend):
         else:
             host = torch.backends.cpu.get_cpu_capability()
             ok = CPU_ISA_RANK.get(host, 0) >= CPU_ISA_RANK.get(isa, 0)
-            out.append(Check("device", ok, f"compiled for {isa} CPUs, host supports {host}" if ok else
+            fix = f", or build it for such hosts with backend_options.cpu_isa: {host.lower()}" \
+                if host in ("AVX2", "AVX512") else ""
+            level = f" ({str(tc['aoti_march'])[:32]})" if tc.get("aoti_march") else ""
+            out.append(Check("device", ok, f"compiled for {isa} CPUs{level}, host supports {host}" if ok else
                              f"aoti graphs were compiled for {isa} CPUs, this host supports {host}; rebuild the "
-                             "bundle on (or for) this host", DEVICE))
+                             f"bundle on this host{fix}", DEVICE))
             gemm = describe_choice(m.build.get("gemm"))
             if gemm:
                 out.append(Check("kernels", True, gemm))
+            if ok and any(p.format == BF16 for g in m.graphs for p in g.packed) and not onednn_bf16_available():
+                out.append(Check("kernels", False, "the draft's graphs call oneDNN's bfloat16 GEMM, which oneDNN "
+                                 "does not run on this CPU (it needs AVX-512 or AVX-NE-CONVERT); rebuild the bundle "
+                                 "with backend_options.draft_bfloat16: false", DEVICE))
         return out
 
     @classmethod
