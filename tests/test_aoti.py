@@ -5,12 +5,13 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import REPO, run_cli
 from test_tp import torchrun
 
 from eagle3_build.backends.aoti import buildable, lean_wrapper_available
@@ -275,6 +276,31 @@ def test_a_bundle_built_for_avx2_runs_where_only_avx2_does(world, tmp_path, monk
         "backend": "aoti", "backend_options": {"cpu_isa": ["avx2"]}})), "--out", str(tmp_path / "never"))
     assert r.returncode == 2 and "backend_options.cpu_isa ['avx2']: choose host" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "never").exists()
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="the bundle of the test above (an x86 host with AVX2)")
+def test_graph_profile_names_each_kernel_of_a_bundle_graph(world, tmp_path):
+    """benchmarks/graph_profile.py on that bundle (its recipe): one graph recompiled with kernel profiling gives
+    the bundle graph's outputs, and its kernels (the blocked GEMMs by shape, ATen's attention) account for most of
+    a call; a recipe that traces to other graphs is refused."""
+    built = world["tiny"].bundle(k=1, recipe={**AOTI_RECIPE, "backend": "aoti", "backend_options": {
+        "cpu_isa": "avx2", **({"pack_weights": "blocked"} if buildable("blocked") else {})}}, jobs=2)
+    script = [sys.executable, str(REPO / "benchmarks" / "graph_profile.py"), str(built.path)]
+    r = subprocess.run([*script, str(built.recipe), "--graphs", "target_decode_b1", "--calls", "5",
+                        "--save-result", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    g = json.loads((tmp_path / "p.json").read_text())["graphs"]["target_decode_b1"]
+    names = [k["kernel"] for k in g["kernels"]]
+    assert any(n.startswith("aten ") and "attention" in n for n in names), names
+    if buildable("blocked"):
+        assert any(re.fullmatch(r"gemm m1n\d+k\d+", n) for n in names), names
+    assert 0 < g["kernels_ms"] <= g["profiled_wall_ms"] and g["bundle_ms"] > 0
+    other = world["tiny"].recipe(k=1, recipe={**AOTI_RECIPE, "backend": "aoti", "backend_options": {
+        "cpu_isa": "avx2", "pack_weights": False}})  # (other graphs: no packed weights)
+    r = subprocess.run([*script, str(other), "--graphs", "target_decode_b1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0 and "traces to another graph" in r.stderr, r.stderr[-2000:]
 
 
 def test_aoti_bundle_refused_on_another_torch(world, monkeypatch):
