@@ -333,7 +333,7 @@ def test_inductor_isa_probe_is_memoised_per_host(world):
     memos[0].write_text(json.dumps(memo))
 
 
-def test_pack_weights_option(monkeypatch):
+def test_pack_weights_option(monkeypatch, tmp_path):
     """Packing is for float32 on CPU: on by default (the fastest form per row count, measured: gemm.choose),
     off with pack_weights: false (then the graph keys are those of an unpacked build), or one named
     format; anything else, or a format this torch cannot make, is refused."""
@@ -344,7 +344,7 @@ def test_pack_weights_option(monkeypatch):
 
     shapes, rows = [(64, 32), (32, 64)], [1, 4, 64]
     on, off = AotiBackend({}), AotiBackend({"pack_weights": False})
-    rec = on.pack_choice("float32", shapes, rows, None)
+    rec = on.pack_choice("float32", shapes, rows, tmp_path)  # (memoised: later calls measure only what they add)
     # 64 rows (a prefill chunk, beyond SMALL_ROWS): F.linear against oneDNN's copy only (one copy serves every
     # row count; MKL's would be one more per chunk size)
     assert set(rec["rows"]) == ({"1", "4", "64"} if pack_available("onednn") else {"1", "4"})
@@ -366,14 +366,14 @@ def test_pack_weights_option(monkeypatch):
     # the draft's projections are measured apart; bfloat16 is a candidate only for a draft stored in it (auto)
     d_shapes = [(128, 32), (32, 96)]
     for stored_bf16 in (False, True):
-        rec = on.pack_choice("float32", shapes, rows, None, draft_shapes=d_shapes, draft_bf16=stored_bf16)
+        rec = on.pack_choice("float32", shapes, rows, tmp_path, draft_shapes=d_shapes, draft_bf16=stored_bf16)
         assert all(BF16 not in v["ms"] for v in rec["rows"].values())  # never the target's
         assert set(rec["draft"]["rows"]) == set(rec["rows"])
         assert all((BF16 in v["ms"]) == (stored_bf16 and pack_available(BF16)) for v in rec["draft"]["rows"].values())
-    never = AotiBackend({"draft_bfloat16": False}).pack_choice("float32", shapes, rows, None, d_shapes, True)
+    never = AotiBackend({"draft_bfloat16": False}).pack_choice("float32", shapes, rows, tmp_path, d_shapes, True)
     assert all(BF16 not in v["ms"] for v in never["draft"]["rows"].values())
     if pack_available(BF16):
-        always = AotiBackend({"draft_bfloat16": True}).pack_choice("float32", shapes, rows, None, d_shapes, False)
+        always = AotiBackend({"draft_bfloat16": True}).pack_choice("float32", shapes, rows, tmp_path, d_shapes, False)
         assert {v["choice"] for v in always["draft"]["rows"].values()} == {BF16} and always["draft"]["named"] == BF16
     with pytest.raises(UserError, match="draft_bfloat16 'yes': must be auto"):
         AotiBackend({"draft_bfloat16": "yes"})
