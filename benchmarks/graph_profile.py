@@ -35,7 +35,7 @@ from eagle3_build.compile.cache import CompileCache, default_cache_dir  # noqa: 
 from eagle3_build.pair import build_models, graph_plan, load_pair  # noqa: E402
 from eagle3_build.recipe import RecipeError, load_recipe, select_pair  # noqa: E402
 from eagle3_runtime.backends.base import Graph  # noqa: E402
-from eagle3_runtime.bundle import Bundle  # noqa: E402
+from eagle3_runtime.bundle import Bundle, BundleError  # noqa: E402
 from eagle3_runtime.packing import cpu_description  # noqa: E402
 from eagle3_runtime.tp import set_threads  # noqa: E402
 
@@ -129,7 +129,10 @@ def main(argv=None) -> int:
     ap.add_argument("--save-result", type=Path)
     args = ap.parse_args(argv)
     threads = set_threads(args.threads)
-    bundle = Bundle(args.bundle)
+    try:
+        bundle = Bundle(args.bundle)
+    except BundleError as e:
+        ap.error(str(e))
     names = args.graphs.split(",")
     unknown = [n for n in names if n not in bundle.backend.graphs]
     if unknown:
