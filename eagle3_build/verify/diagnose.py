@@ -104,35 +104,33 @@ def diagnose_draft(draft: Bundle | DraftUnderTest, model, sequences: list[tuple[
     DraftUnderTest; `model`: the reference; `sequences`: (prompt ids, reference continuation); `engine_pos0`:
     the engine's position-0 acceptance."""
     dut = draft if isinstance(draft, DraftUnderTest) else DraftUnderTest.of_bundle(draft)
-    w = dut.weights
-    out: list[Diagnosis] = []
-    vocab = dut.vocab
-    dvocab = int(dut.args.draft_vocab_size or vocab)
+    out = _weight_faults(dut)
+    seqs = hidden_states(model, sequences)
+    if not seqs:
+        return out
+    eager, args, chunk = _eager_draft(dut)
+    first = _FirstStepRates(seqs, chunk)
+    base = first.rates(eager, tuple(args.aux_layer_ids))
+    evidence = {"first_step_hit_rate": round(base.hit, 3), "in_target_top10": round(base.top, 3),
+                "positions": base.n, "aux_layer_ids": list(args.aux_layer_ids)}
+    if engine_pos0 is not None:
+        evidence["engine_position0_acceptance"] = round(engine_pos0, 3)
+    if not out:
+        out += _wiring_faults(dut, eager, first, base.hit, evidence)
+    if engine_pos0 is not None and _graphs_lose(base.hit, engine_pos0):
+        out.append(_graphs_fault(dut.engine, base.hit, engine_pos0, evidence))
+    return out or [_undertrained(base, evidence)]
 
-    # ---- static: the weights themselves
-    if dvocab < vocab:
-        if "d2t" not in w:
-            out.append(Diagnosis("d2t", f"the draft vocab is reduced ({dvocab} of {vocab} target tokens) but the "
-                                        f"{dut.engine}'s draft has no d2t: draft ids are read as the first target ids — "
-                                        + CAUSES["d2t"], {"draft_vocab_size": dvocab}))
-        else:
-            d2t = w["d2t"].long()
-            if not bool(d2t.any()):
-                out.append(Diagnosis("d2t", f"d2t is all zeros (the identity) while the draft vocab is reduced "
-                                            f"({dvocab} of {vocab}): draft ids are read as the first {dvocab} target "
-                                            "ids — d2t missing or misread when the draft was exported",
-                                     {"draft_vocab_size": dvocab}))
-            elif d2t.numel() > 1 and not bool(((torch.arange(d2t.numel()) + d2t).diff() > 0).all()):
-                out.append(Diagnosis("d2t", "d2t does not map the draft vocab onto increasing target ids (a "
-                                            "frequency-built draft vocab is sorted ascending): d2t looks misread",
-                                     {}))
-    fc = w["fc.weight"]
-    fc_rms = float(fc.pow(2).mean().sqrt())
+
+def _weight_faults(dut: DraftUnderTest) -> list[Diagnosis]:
+    """What the draft's weights show by themselves: d2t, fc, lm_head."""
+    w = dut.weights
+    out = _d2t_faults(w, dut.vocab, int(dut.args.draft_vocab_size or dut.vocab), dut.engine)
+    fc_rms = float(w["fc.weight"].pow(2).mean().sqrt())
     if fc_rms < 1e-8:
         out.append(Diagnosis("fc", f"the draft's fc weight is all zero (rms {fc_rms:.1e}): " + CAUSES["fc"],
                              {"fc_rms": fc_rms}))
-    lm = w["lm_head.weight"]
-    target_lm = dut.target_lm
+    lm, target_lm = w["lm_head.weight"], dut.target_lm
     if float(lm.abs().max()) == 0:
         out.append(Diagnosis("lm_head", "the draft's lm_head is all zero: " + CAUSES["lm_head"], {}))
     elif target_lm is not None:
@@ -144,93 +142,119 @@ def diagnose_draft(draft: Bundle | DraftUnderTest, model, sequences: list[tuple[
             out.append(Diagnosis("lm_head", "the draft's lm_head equals the target's lm_head rows of the draft "
                                             "vocab: the draft's own lm_head was replaced by the target's "
                                             "(vLLM#27732)", {}))
-    certain = {d.cause for d in out}
+    return out
 
-    # ---- behaviour: the draft run eagerly on the target's hidden states (reference sequences)
-    seqs = hidden_states(model, sequences)
-    if not seqs:
-        return out
-    eager, args, chunk = _eager_draft(dut)
-    aux_ids = tuple(args.aux_layer_ids)
-    n_layers = len(seqs[0].hidden) - 1
 
-    def rates(d, ids) -> tuple[float, float, int]:
+def _d2t_faults(w: dict[str, torch.Tensor], vocab: int, dvocab: int, engine: str) -> list[Diagnosis]:
+    if dvocab >= vocab:
+        return []
+    if "d2t" not in w:
+        return [Diagnosis("d2t", f"the draft vocab is reduced ({dvocab} of {vocab} target tokens) but the "
+                                 f"{engine}'s draft has no d2t: draft ids are read as the first target ids — "
+                                 + CAUSES["d2t"], {"draft_vocab_size": dvocab})]
+    d2t = w["d2t"].long()
+    if not bool(d2t.any()):
+        return [Diagnosis("d2t", f"d2t is all zeros (the identity) while the draft vocab is reduced ({dvocab} of "
+                                 f"{vocab}): draft ids are read as the first {dvocab} target ids — d2t missing or "
+                                 "misread when the draft was exported", {"draft_vocab_size": dvocab})]
+    if d2t.numel() > 1 and not bool(((torch.arange(d2t.numel()) + d2t).diff() > 0).all()):
+        return [Diagnosis("d2t", "d2t does not map the draft vocab onto increasing target ids (a frequency-built "
+                                 "draft vocab is sorted ascending): d2t looks misread", {})]
+    return []
+
+
+@dataclass
+class _Rates:
+    hit: float  # share of first proposals equal to the reference's next-but-one token
+    top: float  # share of first proposals in the reference's top TOP_K
+    n: int  # positions
+
+
+class _FirstStepRates:
+    """The draft run eagerly on the reference's hidden states: how often its first proposal is right."""
+
+    def __init__(self, seqs, chunk: int):
+        self.seqs, self.chunk = [s for s in seqs if s.tokens.numel() >= 3], chunk
+        self.n_layers = len(seqs[0].hidden) - 1
+
+    def rates(self, draft, aux_ids: tuple[int, ...]) -> _Rates:
         hit = topk = n = 0
-        for s in seqs:
-            T = s.tokens.numel()
-            if T < 3:
-                continue
-            aux = torch.cat([_pad(s.hidden[a], chunk) for a in ids], -1)
-            prop = _first_step(d, aux, s.tokens)  # prop[i] guesses tokens[i + 2]
-            lo = max(s.n_prompt - 1, 0)
-            sl = slice(lo, T - 2)
-            want = s.tokens[2:][sl]
-            got = prop[sl]
+        for s in self.seqs:
+            aux = torch.cat([_pad(s.hidden[a], self.chunk) for a in aux_ids], -1)
+            prop = _first_step(draft, aux, s.tokens)  # prop[i] guesses tokens[i + 2]
+            sl = slice(max(s.n_prompt - 1, 0), s.tokens.numel() - 2)
+            want, got = s.tokens[2:][sl], prop[sl]
             hit += int((got == want).sum())
             top = s.logits[1:][sl].topk(min(TOP_K, s.logits.shape[-1]), dim=-1).indices
             topk += int((top == got[:, None]).any(-1).sum())
             n += want.numel()
-        return (hit / n if n else 0.0), (topk / n if n else 0.0), n
+        return _Rates(hit / n if n else 0.0, topk / n if n else 0.0, n)
 
-    base_hit, base_top, npos = rates(eager, aux_ids)
-    ev_base = {"first_step_hit_rate": round(base_hit, 3), "in_target_top10": round(base_top, 3), "positions": npos,
-               "aux_layer_ids": list(aux_ids)}
-    if engine_pos0 is not None:
-        ev_base["engine_position0_acceptance"] = round(engine_pos0, 3)
+
+def _wiring_faults(dut: DraftUnderTest, eager, first: _FirstStepRates, base_hit: float,
+                   evidence: dict) -> list[Diagnosis]:
+    """Aux layer ids or norm placement that the draft fits clearly better than the ones it was given."""
+    args = dut.args
+    aux_ids = tuple(args.aux_layer_ids)
 
     def better(rate: float) -> bool:
         return rate >= base_hit + 0.15 and rate >= 1.5 * base_hit
 
-    if not certain:
-        best = None
-        for shift in (-1, 1, -2, 2):
-            ids = tuple(a + shift for a in aux_ids)
-            if not all(0 <= a < n_layers for a in ids):
-                continue
-            r, _, _ = rates(eager, ids)
+    out, best = [], None
+    for shift in (-1, 1, -2, 2):
+        ids = tuple(a + shift for a in aux_ids)
+        if all(0 <= a < first.n_layers for a in ids):
+            r = first.rates(eager, ids).hit
             if better(r) and (best is None or r > best[1]):
                 best = (ids, r, shift)
-        if best is not None:
-            ids, r, shift = best
-            out.append(Diagnosis(
-                "aux_ids", f"aux layer ids look shifted by {-shift:+d}: the draft's first proposal matches the target "
-                           f"{100 * r:.0f}% of the time with ids {list(ids)} but {100 * base_hit:.0f}% with the "
-                           f"{dut.engine}'s {list(aux_ids)} — " + CAUSES["aux_ids"],
-                dict(ev_base, better_aux_layer_ids=list(ids), better_hit_rate=round(r, 3))))
-        flipped, _, _ = _eager_draft(dut, norm_before_residual=not args.norm_before_residual)
-        r, _, _ = rates(flipped, aux_ids)
-        if better(r):
-            out.append(Diagnosis(
-                "norm_before_residual",
-                f"norm_before_residual looks wrong: the draft's first proposal matches the target {100 * r:.0f}% of "
-                f"the time with norm_before_residual={not args.norm_before_residual} but {100 * base_hit:.0f}% with "
-                f"the {dut.engine}'s {args.norm_before_residual} — " + CAUSES["norm_before_residual"],
-                dict(ev_base, better_hit_rate=round(r, 3))))
+    if best is not None:
+        ids, r, shift = best
+        out.append(Diagnosis(
+            "aux_ids", f"aux layer ids look shifted by {-shift:+d}: the draft's first proposal matches the target "
+                       f"{100 * r:.0f}% of the time with ids {list(ids)} but {100 * base_hit:.0f}% with the "
+                       f"{dut.engine}'s {list(aux_ids)} — " + CAUSES["aux_ids"],
+            dict(evidence, better_aux_layer_ids=list(ids), better_hit_rate=round(r, 3))))
+    flipped, _, _ = _eager_draft(dut, norm_before_residual=not args.norm_before_residual)
+    r = first.rates(flipped, aux_ids).hit
+    if better(r):
+        out.append(Diagnosis(
+            "norm_before_residual",
+            f"norm_before_residual looks wrong: the draft's first proposal matches the target {100 * r:.0f}% of "
+            f"the time with norm_before_residual={not args.norm_before_residual} but {100 * base_hit:.0f}% with "
+            f"the {dut.engine}'s {args.norm_before_residual} — " + CAUSES["norm_before_residual"],
+            dict(evidence, better_hit_rate=round(r, 3))))
+    return out
+
+
+def _graphs_lose(base_hit: float, engine_pos0: float) -> bool:
     # round starts skip the position after an accepted first token, so the engine's position-0 rate is a
     # (somewhat pessimistic) sample of the eager hit rate: only a collapse points at the graphs
-    if engine_pos0 is not None and base_hit >= 0.3 and engine_pos0 <= base_hit / 3:
-        what, fault = (("the bundle's draft graphs do", "the build or the runtime is at fault — please report it")
-                       if dut.engine == "bundle" else
-                       ("the server's speculative decoding does", "the server loads or runs it differently (its "
-                        "aux layer ids or norm placement), or it serves another draft than this directory"))
-        out.append(Diagnosis(
-            "graphs", f"{what} worse than the same weights run eagerly (position-0 acceptance "
-                      f"{100 * engine_pos0:.0f}% vs {100 * base_hit:.0f}% first-step hits): the checkpoint is fine, "
-                      + fault, ev_base))
-    if not out:
-        if base_top < 0.2:
-            out.append(Diagnosis(
-                "lm_head", f"the draft's first proposals are rarely plausible target tokens (only {100 * base_top:.0f}% "
-                           f"are in the target's top {TOP_K}, {100 * base_hit:.0f}% match): its output head does not "
-                           "fit its layer — " + CAUSES["lm_head"] + ", or " + CAUSES["d2t"]
-                           + " (or the whole draft is untrained)", ev_base))
-        else:
-            out.append(Diagnosis(
-                "draft", f"the draft proposes plausible tokens ({100 * base_top:.0f}% in the target's top {TOP_K}) but "
-                         f"matches the target's choice only {100 * base_hit:.0f}% of the time; the wiring looks right — "
-                         "an undertrained draft, or one trained for another target, chat template or domain",
-                ev_base))
-    return out
+    return base_hit >= 0.3 and engine_pos0 <= base_hit / 3
+
+
+def _graphs_fault(engine: str, base_hit: float, engine_pos0: float, evidence: dict) -> Diagnosis:
+    what, fault = (("the bundle's draft graphs do", "the build or the runtime is at fault — please report it")
+                   if engine == "bundle" else
+                   ("the server's speculative decoding does", "the server loads or runs it differently (its "
+                    "aux layer ids or norm placement), or it serves another draft than this directory"))
+    return Diagnosis(
+        "graphs", f"{what} worse than the same weights run eagerly (position-0 acceptance "
+                  f"{100 * engine_pos0:.0f}% vs {100 * base_hit:.0f}% first-step hits): the checkpoint is fine, "
+                  + fault, evidence)
+
+
+def _undertrained(base: _Rates, evidence: dict) -> Diagnosis:
+    """No fault found: say whether the draft's proposals are even plausible."""
+    if base.top < 0.2:
+        return Diagnosis(
+            "lm_head", f"the draft's first proposals are rarely plausible target tokens (only {100 * base.top:.0f}% "
+                       f"are in the target's top {TOP_K}, {100 * base.hit:.0f}% match): its output head does not "
+                       "fit its layer — " + CAUSES["lm_head"] + ", or " + CAUSES["d2t"]
+                       + " (or the whole draft is untrained)", evidence)
+    return Diagnosis(
+        "draft", f"the draft proposes plausible tokens ({100 * base.top:.0f}% in the target's top {TOP_K}) but "
+                 f"matches the target's choice only {100 * base.hit:.0f}% of the time; the wiring looks right — "
+                 "an undertrained draft, or one trained for another target, chat template or domain", evidence)
 
 
 def _pad(h: torch.Tensor, width: int) -> torch.Tensor:
