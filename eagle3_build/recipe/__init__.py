@@ -47,6 +47,29 @@ _TOP_KEYS = ("defaults", "pairs")
 
 
 def _load(path: Path, file: str) -> Recipe:
+    data_bytes = _read(path, file)
+    data, node, dup_issues = parse_yaml(data_bytes.decode("utf-8"), file)
+    if not isinstance(data, dict):
+        raise RecipeError([RecipeIssue(file, 1, "<root>",
+                                       f"the top level must be a mapping with keys {', '.join(_TOP_KEYS)}; got {describe_value(data)}")])
+    lines = line_map(node)
+    issues: list[RecipeIssue] = list(dup_issues)
+    defaults, pairs = _top_level(data, lines, file, issues)
+    base_dir = Path(os.path.abspath(path)).parent
+    resolved: list[PairRecipe] = []
+    names: dict[str, tuple[int, int | None]] = {}
+    for i, item in enumerate(pairs):
+        pair = _load_pair(i, item, defaults, lines, file, base_dir, names, issues)
+        if pair is not None:
+            resolved.append(pair)
+    if issues:
+        issues.sort(key=lambda x: (x.line is None, x.line or 0))
+        raise RecipeError(issues)
+    return Recipe(path=str(Path(os.path.abspath(path))), sha256=hashlib.sha256(data_bytes).hexdigest(), pairs=resolved)
+
+
+def _read(path: Path, file: str) -> bytes:
+    """The recipe's bytes, UTF-8 checked; one issue naming the file otherwise."""
     try:
         data_bytes = read_capped(path, file)
     except FileNotFoundError as exc:
@@ -57,24 +80,19 @@ def _load(path: Path, file: str) -> Recipe:
         why = f"cannot read recipe file: {exc.strerror or exc}"
         raise RecipeError([RecipeIssue(file, None, "<file>", why)]) from exc
     try:
-        text = data_bytes.decode("utf-8")
+        data_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
         why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
         raise RecipeError([RecipeIssue(file, None, "<file>", why)]) from exc
+    return data_bytes
 
-    data, node, dup_issues = parse_yaml(text, file)
-    if not isinstance(data, dict):
-        raise RecipeError([RecipeIssue(file, 1, "<root>",
-                                       f"the top level must be a mapping with keys {', '.join(_TOP_KEYS)}; got {describe_value(data)}")])
-    lines = line_map(node)
-    issues: list[RecipeIssue] = list(dup_issues)
-    base_dir = Path(os.path.abspath(path)).parent
 
+def _top_level(data: dict, lines, file: str, issues: list[RecipeIssue]) -> tuple[dict, list]:
+    """`defaults` and `pairs`, each checked for its shape (an empty stand-in where it is wrong)."""
     for key in data:
         if key not in _TOP_KEYS:
             issues.append(RecipeIssue(file, line_of(lines, (key,)), fmt_key((key,)),
                                       f"unknown top-level key; allowed keys: {', '.join(_TOP_KEYS)}"))
-
     defaults = data.get("defaults")
     if defaults is None:
         defaults = {}
@@ -82,7 +100,6 @@ def _load(path: Path, file: str) -> Recipe:
         issues.append(RecipeIssue(file, line_of(lines, ("defaults",)), "defaults",
                                   f"must be a mapping of pair settings, got {describe_value(defaults)}"))
         defaults = {}
-
     pairs = data.get("pairs")
     if "pairs" not in data:
         issues.append(RecipeIssue(file, lines[()], "pairs", "required key is missing: give a non-empty list of pairs"))
@@ -96,66 +113,61 @@ def _load(path: Path, file: str) -> Recipe:
         issues.append(RecipeIssue(file, line_of(lines, ("pairs",)), "pairs",
                                   f"{len(pairs)} pairs, at most {MAX_PAIRS}; split the recipe into several files"))
         pairs = []
+    return defaults, pairs
 
-    resolved: list[PairRecipe] = []
-    names: dict[str, tuple[int, int | None]] = {}
-    for i, item in enumerate(pairs):
-        pair_abs = ("pairs", i)
-        if not isinstance(item, dict):
-            issues.append(RecipeIssue(file, line_of(lines, pair_abs), fmt_key(pair_abs),
-                                      f"each entry of pairs must be a mapping, got {describe_value(item)}"))
-            continue
-        merged = deep_merge(defaults, item)
-        n_before = len(issues)
 
-        def add(rel: tuple, message: str, _item: dict = item, _pair_abs: tuple = pair_abs) -> None:
-            origin = origin_of(defaults, _item, _pair_abs, rel)
-            if origin[0] == "defaults":
-                if message.startswith("required key is missing"):
-                    message += " (in a mapping given in defaults)"
-                else:
-                    message += " (from defaults)"
-            issues.append(RecipeIssue(file, line_of(lines, origin), fmt_key(_pair_abs + rel), message))
+def _load_pair(i: int, item, defaults: dict, lines, file: str, base_dir: Path,
+               names: dict[str, tuple[int, int | None]], issues: list[RecipeIssue]) -> PairRecipe | None:
+    """pairs[i] merged over the defaults, validated and resolved; None (with its issues added) when wrong."""
+    pair_abs = ("pairs", i)
+    if not isinstance(item, dict):
+        issues.append(RecipeIssue(file, line_of(lines, pair_abs), fmt_key(pair_abs),
+                                  f"each entry of pairs must be a mapping, got {describe_value(item)}"))
+        return None
+    merged = deep_merge(defaults, item)
+    n_before = len(issues)
 
-        raw: RawPair | None = None
-        try:
-            raw = RawPair.model_validate(merged)
-        except ValidationError as exc:
-            for err in exc.errors():
-                loc = tuple(err["loc"])
-                if loc[-1:] == ("[key]",) and loc[:-2] == ("speculation", "per_batch_bucket"):
-                    add(loc[:-1], "must be a batch bucket size (an integer key such as 1:), "
-                                  f"got {describe_value(err.get('input'))}")
-                elif loc and loc[-1] == "[key]":  # a non-string key inside a free-form mapping
-                    add(loc[:-1], f"mapping keys must be strings, got {describe_value(err.get('input'))}")
-                else:
-                    add(loc, pydantic_message(err, RawPair))
-
-        name = merged.get("name")
-        if isinstance(name, str):
-            if not NAME_RE.match(name):
-                add(("name",), f"invalid pair name {name!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
-                               "(it names the bundle directory artifacts/<name>)")
-            elif name in names:
-                j, first_line = names[name]
-                add(("name",), f"duplicate pair name {name!r} (already used by pairs[{j}] at line {first_line}); names must be unique")
+    def add(rel: tuple, message: str) -> None:
+        origin = origin_of(defaults, item, pair_abs, rel)
+        if origin[0] == "defaults":
+            if message.startswith("required key is missing"):
+                message += " (in a mapping given in defaults)"
             else:
-                names[name] = (i, line_of(lines, origin_of(defaults, item, pair_abs, ("name",))))
+                message += " (from defaults)"
+        issues.append(RecipeIssue(file, line_of(lines, origin), fmt_key(pair_abs + rel), message))
 
-        sources = {}
-        for role in ("target", "draft"):
-            if role in merged:
-                sources[role] = resolve_source(merged[role], base_dir, (role,), add)
-        check_buckets(merged, add, check_speculation(merged, add))
-        check_pair_backend_options(merged, add)
+    raw: RawPair | None = None
+    try:
+        raw = RawPair.model_validate(merged)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            if loc[-1:] == ("[key]",) and loc[:-2] == ("speculation", "per_batch_bucket"):
+                add(loc[:-1], "must be a batch bucket size (an integer key such as 1:), "
+                              f"got {describe_value(err.get('input'))}")
+            elif loc and loc[-1] == "[key]":  # a non-string key inside a free-form mapping
+                add(loc[:-1], f"mapping keys must be strings, got {describe_value(err.get('input'))}")
+            else:
+                add(loc, pydantic_message(err, RawPair))
 
-        if raw is not None and len(issues) == n_before and all(sources.get(r) for r in ("target", "draft")):
-            resolved.append(build_pair(raw, sources["target"], sources["draft"]))
+    name = merged.get("name")
+    if isinstance(name, str):
+        if not NAME_RE.match(name):
+            add(("name",), f"invalid pair name {name!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
+                           "(it names the bundle directory artifacts/<name>)")
+        elif name in names:
+            j, first_line = names[name]
+            add(("name",), f"duplicate pair name {name!r} (already used by pairs[{j}] at line {first_line}); names must be unique")
+        else:
+            names[name] = (i, line_of(lines, origin_of(defaults, item, pair_abs, ("name",))))
 
-    if issues:
-        issues.sort(key=lambda x: (x.line is None, x.line or 0))
-        raise RecipeError(issues)
-    return Recipe(path=str(Path(os.path.abspath(path))), sha256=hashlib.sha256(data_bytes).hexdigest(), pairs=resolved)
+    sources = {role: resolve_source(merged[role], base_dir, (role,), add) for role in ("target", "draft")
+               if role in merged}
+    check_buckets(merged, add, check_speculation(merged, add))
+    check_pair_backend_options(merged, add)
+    if raw is not None and len(issues) == n_before and all(sources.get(r) for r in ("target", "draft")):
+        return build_pair(raw, sources["target"], sources["draft"])
+    return None
 
 
 def load_recipe(path: str | Path) -> Recipe:
