@@ -74,41 +74,10 @@ def verify_bundle(
 
     say("loading the reference target")
     model, ref_desc = load_reference(manifest, dtype=ref_dtype, location=location)
-    eos = list(manifest.eos_token_ids)
     tie_dtype = coarser(manifest.dtype, ref_dtype)
 
-    acc = SpecStats(manifest.num_speculative_tokens)
-    results: list[PromptResult] = []
-    refs: list[Reference] = []
-    for i, (text, ids) in enumerate(zip(texts, encoded)):
-        n = min(max_tokens, manifest.max_model_len - len(ids))
-        say(f"prompt {i + 1}/{len(texts)}")
-        ref = reference_greedy(model, ids, n, eos)
-        refs.append(ref)
-        gen = engine.generate(ids, n, speculative=True)
-        acc.add(gen.stats)
-        r = compare(text, ids, ref, list(gen.token_ids), tie_dtype)
-        r.acceptance_length = gen.stats.mean_acceptance_length
-        if r.near_tie:
-            check_continuation(model, r, tie_dtype)
-        if not r.ok:
-            plain = engine.generate(ids, n, speculative=False)
-            r.plain_matches_reference = list(plain.token_ids) == ref.ids
-        results.append(r)
-
-    # the first batch bucket's menu: each shape's own graphs checked the same way, its acceptance recorded
-    menu = []
-    for shape in manifest.shapes(manifest.batch_buckets[0])[1:]:
-        say(f"menu shape {shape.tag}")
-        stats, ok, shape_engine = SpecStats(manifest.num_speculative_tokens), 0, Engine(bundle, speculation=shape.tag)
-        for text, ids, ref in zip(texts, encoded, refs):
-            gen = shape_engine.generate(ids, min(max_tokens, manifest.max_model_len - len(ids)))
-            stats.add(gen.stats)
-            r = compare(text, ids, ref, list(gen.token_ids), tie_dtype)
-            if r.near_tie:
-                check_continuation(model, r, tie_dtype)
-            ok += r.ok
-        menu.append((shape, MenuResult(shape.describe(), shape.tag, ok, len(texts), stats)))
+    results, refs, acc = _check_prompts(engine, model, manifest, texts, encoded, max_tokens, tie_dtype, say)
+    menu = _check_menu(bundle, model, manifest, texts, encoded, refs, max_tokens, tie_dtype, say)
     profiles = [(manifest.speculation[manifest.batch_buckets[0]], acc)] + [(s, r.acceptance) for s, r in menu]
     try:
         record_acceptance(root, [(s, st) for s, st in profiles if st.num_drafts], len(texts))
@@ -130,6 +99,49 @@ def verify_bundle(
             report.diagnosis_error = f"{type(e).__name__}: {e}"
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_prompts(engine: Engine, model, manifest: Manifest, texts, encoded, max_tokens: int, tie_dtype: str,
+                   say) -> tuple[list[PromptResult], list[Reference], SpecStats]:
+    """Each prompt: the reference's greedy continuation, the bundle's speculative one compared with it token
+    for token (near-ties checked), plain decoding run too where they differ; the acceptance counted."""
+    acc = SpecStats(manifest.num_speculative_tokens)
+    results: list[PromptResult] = []
+    refs: list[Reference] = []
+    for i, (text, ids) in enumerate(zip(texts, encoded)):
+        n = min(max_tokens, manifest.max_model_len - len(ids))
+        say(f"prompt {i + 1}/{len(texts)}")
+        ref = reference_greedy(model, ids, n, manifest.eos_token_ids)
+        refs.append(ref)
+        gen = engine.generate(ids, n, speculative=True)
+        acc.add(gen.stats)
+        r = compare(text, ids, ref, list(gen.token_ids), tie_dtype)
+        r.acceptance_length = gen.stats.mean_acceptance_length
+        if r.near_tie:
+            check_continuation(model, r, tie_dtype)
+        if not r.ok:
+            plain = engine.generate(ids, n, speculative=False)
+            r.plain_matches_reference = list(plain.token_ids) == ref.ids
+        results.append(r)
+    return results, refs, acc
+
+
+def _check_menu(bundle: Bundle, model, manifest: Manifest, texts, encoded, refs: list[Reference], max_tokens: int,
+                tie_dtype: str, say) -> list[tuple[SpecShape, MenuResult]]:
+    """The first batch bucket's menu: each shape's own graphs checked the same way, its acceptance counted."""
+    menu = []
+    for shape in manifest.shapes(manifest.batch_buckets[0])[1:]:
+        say(f"menu shape {shape.tag}")
+        stats, ok, shape_engine = SpecStats(manifest.num_speculative_tokens), 0, Engine(bundle, speculation=shape.tag)
+        for text, ids, ref in zip(texts, encoded, refs):
+            gen = shape_engine.generate(ids, min(max_tokens, manifest.max_model_len - len(ids)))
+            stats.add(gen.stats)
+            r = compare(text, ids, ref, list(gen.token_ids), tie_dtype)
+            if r.near_tie:
+                check_continuation(model, r, tie_dtype)
+            ok += r.ok
+        menu.append((shape, MenuResult(shape.describe(), shape.tag, ok, len(texts), stats)))
+    return menu
 
 
 def check_drift(manifest: Manifest, model, reference: str, profiles: list[tuple[SpecShape, SpecStats]],
