@@ -111,7 +111,7 @@ def compile_cmd(
     from .output import check_out
     from .compile.cache import CompileCache
     from .compile.scheduler import CompileFailed
-    from .progress import emit, progress_reporter
+    from .progress import progress_reporter
 
     cache = CompileCache(cache_dir)
     dests = [] if shard_ix is not None else [out or artifacts / p.name for p in pairs]
@@ -139,30 +139,33 @@ def compile_cmd(
                 failed_any = True
                 _failure_table(p.name, e, as_json)
                 continue
-            size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
-            b = manifest.build
-            secs = time.perf_counter() - t0
-            if as_json:
-                emit({"event": "built", "pair": p.name, "bundle": str(dest), "digest": manifest.digest,
-                      "graphs": len(manifest.graphs), "compiled": b["compiled"], "cached": b["cached"], "failed": 0,
-                      "seconds": round(secs, 2), "bytes": size})
-                if verify and not _verify_built(p, dest, as_json):
-                    failed_any = True
-                continue
-            t = Table(title=f"built {dest}", title_justify="left")
-            for c in ("graphs", "compiled", "cached", "failed", "time", "bundle size", "digest"):
-                t.add_column(c)
-            t.add_row(str(len(manifest.graphs)), str(b["compiled"]), str(b["cached"]), "0", f"{secs:.1f}s",
-                      f"{size / 1e6:.1f} MB", manifest.digest[:16])
-            console.print(t)
-            console.print(f"digest sha256:{manifest.digest}  (consumers pin it with --expect-digest)", highlight=False,
-                          soft_wrap=True)
-            for note in manifest.notes:
-                console.print(f"  note: {note}", highlight=False)
+            _print_built(p.name, dest, manifest, time.perf_counter() - t0, as_json)
             if verify and not _verify_built(p, dest, as_json):
                 failed_any = True
     if failed_any:
         raise typer.Exit(1)
+
+
+def _print_built(name: str, dest: Path, manifest, secs: float, as_json: bool) -> None:
+    from .progress import emit
+
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    b = manifest.build
+    if as_json:
+        emit({"event": "built", "pair": name, "bundle": str(dest), "digest": manifest.digest,
+              "graphs": len(manifest.graphs), "compiled": b["compiled"], "cached": b["cached"], "failed": 0,
+              "seconds": round(secs, 2), "bytes": size})
+        return
+    t = Table(title=f"built {dest}", title_justify="left")
+    for c in ("graphs", "compiled", "cached", "failed", "time", "bundle size", "digest"):
+        t.add_column(c)
+    t.add_row(str(len(manifest.graphs)), str(b["compiled"]), str(b["cached"]), "0", f"{secs:.1f}s",
+              f"{size / 1e6:.1f} MB", manifest.digest[:16])
+    console.print(t)
+    console.print(f"digest sha256:{manifest.digest}  (consumers pin it with --expect-digest)", highlight=False,
+                  soft_wrap=True)
+    for note in manifest.notes:
+        console.print(f"  note: {note}", highlight=False)
 
 
 class _Terminated(KeyboardInterrupt):
