@@ -279,6 +279,92 @@ class _SSE(StreamingResponse):
             self.req.cancel()  # a no-op once the request has finished
 
 
+class _CountRequests:
+    """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect handling) counting
+    responses per endpoint and status. The endpoint label is a route of this app or "other": a client
+    cannot add series."""
+
+    def __init__(self, asgi_app, routes, metrics):
+        self.app, self.routes_of, self.metrics = asgi_app, routes, metrics
+        self.routes: set[str] | None = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.routes is None:
+            self.routes = self.routes_of()
+        endpoint = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _Completion:
+    """One completion's OpenAI response, whole or streamed (SSE), from the engine's events."""
+
+    def __init__(self, server: Server, ids: list[int], chat: bool):
+        self.model, self.n_prompt, self.chat = server.model_name, len(ids), chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def usage(self, n_out: int) -> dict:
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n_out, "total_tokens": self.n_prompt + n_out}
+
+    def envelope(self, obj: str, choice: dict) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    async def whole(self, request: HTTPRequest, req: Request, q: asyncio.Queue):
+        # wait for the result, or for the client to leave: then cancel, freeing its row at the next step
+        result = asyncio.ensure_future(_collect(req, q))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not result.done():
+                req.cancel()
+                result.cancel()
+        if not result.done() or result.cancelled():
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        tokens, text, last = result.result()
+        if last is not None and last.finish_reason == "error":
+            return engine_error(last).response()
+        choice = {"index": 0, "finish_reason": last.finish_reason if last else None, "token_ids": tokens}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice |= {"text": text, "logprobs": None}
+        return self.envelope("chat.completion" if self.chat else "text_completion", choice) | {
+            "usage": self.usage(len(tokens))}
+
+    async def stream(self, req: Request, q: asyncio.Queue) -> AsyncIterator[str]:
+        n_out = 0
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.chat:
+            yield _sse(self.envelope(obj, {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "finish_reason": None}))
+        async for ev in _events(req, q):
+            if ev.finish_reason == "error":  # (the status line is sent: the error goes in the stream)
+                e = engine_error(ev)
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+                break
+            n_out += len(ev.token_ids)
+            choice = {"index": 0, "finish_reason": ev.finish_reason, "token_ids": ev.token_ids}
+            if self.chat:
+                choice["delta"] = {"content": ev.text} if ev.text else {}
+            else:
+                choice |= {"text": ev.text, "logprobs": None}
+            chunk = self.envelope(obj, choice)
+            if ev.finish_reason:
+                chunk["usage"] = self.usage(n_out)
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+
 def create_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -288,30 +374,7 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="eagle3-serve", lifespan=lifespan)
     metrics = server.engine.metrics
-
-    class CountRequests:
-        """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect handling).
-        The endpoint label is a route of this app or "other": a client cannot add series."""
-
-        def __init__(self, asgi_app):
-            self.app = asgi_app
-            self.routes: set[str] | None = None
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] != "http":
-                return await self.app(scope, receive, send)
-            if self.routes is None:
-                self.routes = {r.path for r in app.routes}
-            endpoint = scope["path"] if scope["path"] in self.routes else "other"
-
-            async def counting_send(message):
-                if message["type"] == "http.response.start":
-                    metrics.http_requests.labels(endpoint, str(message["status"])).inc()
-                await send(message)
-
-            await self.app(scope, receive, counting_send)
-
-    app.add_middleware(CountRequests)
+    app.add_middleware(_CountRequests, routes=lambda: {r.path for r in app.routes}, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -325,12 +388,6 @@ def create_app(server: Server) -> FastAPI:
     async def internal_error(_, e: Exception):
         log.error("request failed: %s", describe_error(e), exc_info=e)
         return APIError(500, f"internal error ({describe_error(e)})", type_="server_error").response()
-
-    async def prepare(request: HTTPRequest, kind: type[CommonRequest]):
-        body = await read_body(request, server.max_body_bytes, server.body_timeout)
-        r, sampling = await asyncio.to_thread(server.parse, body, kind)
-        ids = await (server.chat_ids(r) if isinstance(r, ChatRequest) else asyncio.to_thread(server.prompt_ids, r))
-        return r, ids, sampling
 
     @app.get("/health")
     async def health():
@@ -349,74 +406,20 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        r, ids, sampling = await prepare(request, CompletionRequest)
-        return await respond(request, r, ids, sampling, chat=False)
+        return await respond(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        r, ids, sampling = await prepare(request, ChatRequest)
-        return await respond(request, r, ids, sampling, chat=True)
+        return await respond(request, ChatRequest)
 
-    async def respond(request: HTTPRequest, r: CommonRequest, ids: list[int], sampling: SamplingParams, chat: bool):
-        max_tokens = server._max_tokens(r.max_tokens, len(ids))
-        req, q = server.submit(ids, max_tokens, sampling, server._stops(r), asyncio.get_running_loop())
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-
-        def usage(n_out: int) -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
-
-        if not r.stream:
-            # wait for the result, or for the client to leave: then cancel, freeing its row at the next step
-            result = asyncio.ensure_future(_collect(req, q))
-            gone = asyncio.ensure_future(_client_gone(request))
-            try:
-                await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not result.done():
-                    req.cancel()
-                    result.cancel()
-            if not result.done() or result.cancelled():
-                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-            tokens, text, last = result.result()
-            if last is not None and last.finish_reason == "error":
-                return engine_error(last).response()
-            choice = {"index": 0, "finish_reason": last.finish_reason if last else None, "token_ids": tokens}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice |= {"text": text, "logprobs": None}
-            return {"id": rid, "object": obj, "created": created, "model": server.model_name,
-                    "choices": [choice], "usage": usage(len(tokens))}
-
-        async def stream():
-            n_out = 0
-            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-            if chat:
-                yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": server.model_name,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-            async for ev in _events(req, q):
-                if ev.finish_reason == "error":  # (the status line is sent: the error goes in the stream)
-                    e = engine_error(ev)
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
-                    break
-                n_out += len(ev.token_ids)
-                choice = {"index": 0, "finish_reason": ev.finish_reason, "token_ids": ev.token_ids}
-                if chat:
-                    choice["delta"] = {"content": ev.text} if ev.text else {}
-                else:
-                    choice |= {"text": ev.text, "logprobs": None}
-                chunk = {"id": rid, "object": chunk_obj, "created": created, "model": server.model_name,
-                         "choices": [choice]}
-                if ev.finish_reason:
-                    chunk["usage"] = usage(n_out)
-                yield _sse(chunk)
-            yield "data: [DONE]\n\n"
-
-        return _SSE(stream(), req)
+    async def respond(request: HTTPRequest, kind: type[CommonRequest]):
+        body = await read_body(request, server.max_body_bytes, server.body_timeout)
+        r, sampling = await asyncio.to_thread(server.parse, body, kind)
+        ids = await (server.chat_ids(r) if isinstance(r, ChatRequest) else asyncio.to_thread(server.prompt_ids, r))
+        req, q = server.submit(ids, server._max_tokens(r.max_tokens, len(ids)), sampling, server._stops(r),
+                               asyncio.get_running_loop())
+        reply = _Completion(server, ids, chat=isinstance(r, ChatRequest))
+        return await reply.whole(request, req, q) if not r.stream else _SSE(reply.stream(req, q), req)
 
     return app
 
