@@ -24,9 +24,11 @@ share and stop at it, keeping what is done; what the run reached is in its repor
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -181,13 +183,14 @@ def answer(model, tok, prompts: list[str], max_new: int, batch: int) -> list[tup
     return out
 
 
-def save_answers(path: Path, pairs, first: int) -> None:
+def save_answers(path: Path, pairs, first: int, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
     toks = [torch.tensor(p + r, dtype=torch.int32) for p, r in pairs]
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs may answer side by side
     save_file({"tokens": torch.cat(toks), "offsets": torch.tensor([0] + [len(t) for t in toks]).cumsum(0),
-               "prompt_lens": torch.tensor([len(p) for p, _ in pairs]), "first": torch.tensor([first])}, str(tmp))
+               "prompt_lens": torch.tensor([len(p) for p, _ in pairs]), "first": torch.tensor([first])}, str(tmp),
+              metadata={"answer_dtype": str(dtype).removeprefix("torch.")})
     tmp.rename(path)
 
 
@@ -199,17 +202,27 @@ def load_answers(path: Path) -> list[dict]:
     return [{"tokens": d["tokens"][off[i]:off[i + 1]].long(), "P": P} for i, P in enumerate(d["prompt_lens"].tolist())]
 
 
+def answers_dtype(path: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return (f.metadata() or {}).get("answer_dtype", "float32")  # (files of the first runs: float32)
+
+
 def build_answers(args, model, tok, rows: list[dict], deadline: float, log) -> tuple[list[dict], list[dict]]:
     """Held-out answers (always complete) and as many training chunks as the deadline allows."""
     d = Path(args.data)
     held = [r["prompt"] for r in rows if r["split"] == "heldout"]
     train = [r["prompt"] for r in rows if r["split"] == "train"]
+    dtype = getattr(torch, args.answer_dtype)
+    gen = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
     hp = d / "answers-heldout.safetensors"
     if not hp.exists():
-        save_answers(hp, answer(model, tok, held, args.max_new_tokens, args.gen_batch), 0)
+        save_answers(hp, answer(gen, tok, held, args.max_new_tokens, args.gen_batch), 0, dtype)
     n_chunks = min(math.ceil(len(train) / CHUNK), args.max_chunks or 1 << 30)
+    first, stop = args.chunks or (0, n_chunks)
     last = None
-    for c in range(n_chunks):
+    for c in range(first, min(stop, n_chunks)):
         p = d / f"answers-{c:03d}.safetensors"
         if p.exists():
             continue
@@ -217,8 +230,8 @@ def build_answers(args, model, tok, rows: list[dict], deadline: float, log) -> t
             log(f"answers: deadline, {c}/{n_chunks} chunks")
             break
         t0 = time.perf_counter()
-        pairs = answer(model, tok, train[c * CHUNK:(c + 1) * CHUNK], args.max_new_tokens, args.gen_batch)
-        save_answers(p, pairs, c * CHUNK)
+        pairs = answer(gen, tok, train[c * CHUNK:(c + 1) * CHUNK], args.max_new_tokens, args.gen_batch)
+        save_answers(p, pairs, c * CHUNK, dtype)
         last = time.perf_counter() - t0
         n = sum(len(r) for _, r in pairs)
         log(f"answers chunk {c}: {len(pairs)} prompts, {n} tokens, {last:.0f}s ({n / last:.0f} tok/s)")
@@ -228,21 +241,25 @@ def build_answers(args, model, tok, rows: list[dict], deadline: float, log) -> t
 
 # ----------------------------------------------------------------------------- 3. vocab
 
-def choose_vocab(train: list[dict], held: list[dict], vocab: int, coverage: float) -> tuple[torch.Tensor, dict]:
+def coverage(ids: torch.Tensor, held: list[dict], vocab: int) -> float:
+    """Share of the held-out answers' tokens that are in `ids`."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    return float(mask[torch.cat([s["tokens"][s["P"]:] for s in held])].float().mean())
+
+
+def choose_vocab(train: list[dict], held: list[dict], vocab: int, coverage_goal: float) -> tuple[torch.Tensor, dict]:
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in train:
         counts += torch.bincount(s["tokens"], minlength=vocab)
-    held_resp = torch.cat([s["tokens"][s["P"]:] for s in held])
     score = counts.double() * vocab + (vocab - torch.arange(vocab)).double()  # ties: lower id first
     table = {}
     for size in VOCAB_SIZES:
         ids = torch.topk(score, size).indices.sort().values
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[ids] = True
-        table[size] = (ids, float(mask[held_resp].float().mean()))
-    size = next((s for s in VOCAB_SIZES if table[s][1] >= coverage), VOCAB_SIZES[-1])
+        table[size] = (ids, coverage(ids, held, vocab))
+    size = next((s for s in VOCAB_SIZES if table[s][1] >= coverage_goal), VOCAB_SIZES[-1])
     return table[size][0], {"chosen": size, "heldout_coverage": {s: round(c, 4) for s, (_, c) in table.items()},
-                            "rule": f"smallest of {list(VOCAB_SIZES)} covering >= {coverage} of held-out answer tokens"}
+                            "rule": f"smallest of {list(VOCAB_SIZES)} covering >= {coverage_goal} of held-out answer tokens"}
 
 
 # ----------------------------------------------------------------------------- 4./5. TTT on the fly
@@ -322,6 +339,23 @@ def init_draft(args, cfg_t, model, ids: torch.Tensor) -> tuple[TrainDraft, Train
     return new, old, old_ids - torch.arange(old_ids.numel())
 
 
+def lineage(init_from: Path) -> dict:
+    """Where the run started: the directory and, when it is a draft trained here, its own training record."""
+    cfg = json.loads((Path(init_from) / "config.json").read_text())
+    return {"path": str(init_from), "training": cfg.get("eagle3_build_training")}
+
+
+def chunk_range(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(":")
+    try:
+        first, stop = int(a), int(b)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected A:B, e.g. 6:8") from e
+    if not 0 <= first < stop:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0 <= A < B")
+    return first, stop
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, default=REPO / "artifacts" / "smollm2-135m-instruct")
@@ -342,9 +376,17 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--max-chunks", type=int, default=None,
                     help=f"answer at most this many training chunks of {CHUNK} prompts (default: as the deadline allows)")
+    ap.add_argument("--chunks", type=chunk_range, default=None, metavar="A:B",
+                    help="answer only chunks A..B-1 (two processes on disjoint ranges use both cores of a CPU host)")
+    ap.add_argument("--answer-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the target's dtype while answering (bfloat16: 2x faster on CPU; the greedy answer may "
+                    "differ from float32's at near-ties)")
+    ap.add_argument("--answers-only", action="store_true", help="stop once the answers are written")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--coverage", type=float, default=0.99)
+    ap.add_argument("--keep-vocab", action="store_true", help="keep --init-from's draft vocabulary (a fine-tune)")
     ap.add_argument("--ttt", type=int, default=4)
     ap.add_argument("--batch-tokens", type=int, default=65536)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -358,6 +400,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     ends = [t_start + float(x) * args.deadline for x in args.shares.split(",")]
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = args.device
     args.data.mkdir(parents=True, exist_ok=True)
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
@@ -394,11 +438,22 @@ def main(argv=None) -> int:
     train, held = build_answers(args, model, tok, rows, ends[1], log)
     n_resp = sum(len(s["tokens"]) - s["P"] for s in train)
     report["answers"] = {"train_sequences": len(train), "train_answer_tokens": n_resp,
-                         "heldout_sequences": len(held), "elapsed_s": round(time.perf_counter() - t_start, 1)}
+                         "heldout_sequences": len(held), "elapsed_s": round(time.perf_counter() - t_start, 1),
+                         "dtype": sorted({answers_dtype(f) for f in args.data.glob("answers-*.safetensors")})}
     log(f"answers: {report['answers']}")
+    if args.answers_only:
+        return 0
     save_report()
 
-    ids, report["vocab"] = choose_vocab(train, held, cfg_t["vocab_size"], args.coverage)
+    if args.keep_vocab:  # a fine-tune: the starting draft's vocabulary, its coverage of the held-out answers
+        d2t = load_weights(args.init_from).get("d2t")
+        if d2t is None:
+            raise SystemExit(f"--keep-vocab: {args.init_from} has no d2t (its vocabulary is the target's); drop --keep-vocab")
+        ids = torch.arange(d2t.numel()) + d2t
+        report["vocab"] = {"chosen": ids.numel(), "rule": "kept from --init-from",
+                           "heldout_coverage": round(coverage(ids, held, cfg_t["vocab_size"]), 4)}
+    else:
+        ids, report["vocab"] = choose_vocab(train, held, cfg_t["vocab_size"], args.coverage)
     log(f"vocab: {report['vocab']}")
     draft, old, old_d2t = init_draft(args, cfg_t, model, ids)
     draft.to(dev)
@@ -417,7 +472,7 @@ def main(argv=None) -> int:
     t_train = time.perf_counter()
     budget = max(1.0, ends[2] - t_train)
     log(f"training: up to {total} steps ({per_epoch}/epoch), {budget:.0f}s budget, TTT {args.ttt}")
-    s, ema, done = 0, None, False
+    s, ema, done, logged = 0, None, False, time.perf_counter()
     while not done:
         for b in batches(train, args.batch_tokens, rng):
             prog = max(s / total, (time.perf_counter() - t_train) / budget)
@@ -437,8 +492,9 @@ def main(argv=None) -> int:
             opt.step()
             s += 1
             ema = float(loss.detach()) if ema is None else 0.95 * ema + 0.05 * float(loss.detach())
-            if s % 25 == 0:
+            if s % 25 == 0 or time.perf_counter() - logged > 60:
                 log(f"step {s}/{total} loss {ema:.3f} lr {lr:.2e}")
+                logged = time.perf_counter()
     report["training"] = {"steps": s, "epochs": round(s / per_epoch, 2), "train_s": round(time.perf_counter() - t_train, 1),
                           "loss_ema": round(ema or 0.0, 4), "ttt": args.ttt, "batch_tokens": args.batch_tokens,
                           "lr": args.lr}
@@ -447,7 +503,7 @@ def main(argv=None) -> int:
 
     info = {"script": "training/scale_draft.py", "seed": args.seed, "aux_layer_ids": list(AUX_LAYER_IDS),
             "ttt_steps": args.ttt, "prompts": report["prompts"], "answers": report["answers"],
-            "vocab": report["vocab"], "training": report["training"], "init_from": str(args.init_from)}
+            "vocab": report["vocab"], "training": report["training"], "init_from": lineage(args.init_from)}
     save_speculators(draft.cpu(), d2t.cpu(), t2d, cfg_t, args.out, info)
     draft.to(dev)
     log(f"saved {args.out}")
