@@ -605,59 +605,10 @@ class Manifest(_Strict):
     def _consistent(self) -> "Manifest":
         """What the runtime relies on, checked as data before anything is allocated or loaded; every
         check is linear in the manifest's size."""
-        K = self.num_speculative_tokens
-        if self.max_model_len < min_max_model_len(K):
-            raise ValueError(f"max_model_len {self.max_model_len} must exceed num_speculative_tokens + 1 ({K + 1})")
-        for key in ("prefill_buckets", "batch_buckets", "context_buckets"):
-            b = getattr(self, key)
-            if b != sorted(set(b)):
-                raise ValueError(f"{key} {b} must be strictly increasing")
-        if self.context_buckets and not min_max_model_len(K) <= self.context_buckets[0] \
-                <= self.context_buckets[-1] < self.max_model_len:
-            raise ValueError(f"context_buckets {self.context_buckets} must lie in {min_max_model_len(K)}.."
-                             f"{self.max_model_len - 1} (below max_model_len; the whole cache is always a graph)")
-        if sorted(self.speculation) != self.batch_buckets:
-            raise ValueError(f"speculation must have one shape per batch bucket {self.batch_buckets}, "
-                             f"has {sorted(self.speculation)}")
-        for b, shapes in self.menu.items():
-            own = self.speculation.get(b)
-            if own is None or not own.speculates:
-                why = "is not one of the batch buckets" if own is None else "does not speculate"
-                raise ValueError(f"menu: batch bucket {b} {why}; a menu extends a speculating bucket's shape")
-            tags = [s.tag for s in [own, *shapes]]
-            if any(not s.speculates for s in shapes) or len(set(tags)) != len(tags):
-                raise ValueError(f"menu of batch bucket {b}: {tags[1:]} must be speculating shapes, each once and "
-                                 f"other than the bucket's own ({tags[0]})")
-        if K != max(s.depth for s in all_shapes(self.speculation, self.menu)):
-            raise ValueError(f"num_speculative_tokens {K} is not the deepest speculation shape's depth")
-        if self.max_num_seqs < self.batch_buckets[-1]:
-            raise ValueError(f"max_num_seqs {self.max_num_seqs} is below the largest batch bucket "
-                             f"{self.batch_buckets[-1]}")
-        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
-            raise ValueError(f"eos_token_ids {self.eos_token_ids} must lie in [0, vocab_size {self.vocab_size})")
-        if set(self.models) != {"target", "draft"}:
-            raise ValueError(f"models must be exactly target and draft, got {sorted(self.models)}")
-        for name, m in self.models.items():
-            if m.name != name or len(m.weight_files) != self.tp_degree:
-                raise ValueError(f"models.{name}: needs name {name!r} and one weight file per rank "
-                                 f"({self.tp_degree}), has {len(m.weight_files)}")
-        have = {(g.role, g.bucket, g.shape.tag if g.shape else None, g.context) for g in self.graphs}
-        if len(have) != len(self.graphs):
-            raise ValueError("graphs: more than one graph for the same role, bucket, shape and context")
-        need = {(r, b, v.tag if v else None, c)
-                for r, b, v, c in plan_roles(self.prefill_buckets, self.speculation, self.menu, self.context_buckets)}
-
-        def said(keys):
-            return [f"{r}/{b}" + (f"/{v}" if v else "") + (f"/c{c}" if c else "")
-                    for r, b, v, c in sorted(keys, key=str)]
-        missing = said(need - have)
-        if missing:
-            raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles, "
-                             "per context bucket where the role has them)")
-        extra = said(have - need)
-        if extra:
-            raise ValueError(f"graphs: {', '.join(extra[:4])} serves no shape of its bucket (speculation, menu) "
-                             "or no context bucket")
+        _check_buckets(self)
+        _check_speculation(self)
+        _check_serving(self)
+        _check_graph_table(self)
         states = _check_states(self)
         weights: dict[str, list[str]] = {}
         for g in self.graphs:
@@ -766,6 +717,72 @@ def kv_state_shape(model: ModelEntry, max_num_seqs: int, positions: int, layout=
     dims = {"layers": layers, "kv": 2, "rows": max_num_seqs, "heads": model.layout_int("kv_heads_per_rank"),
             "positions": positions, "head_dim": head_dim}
     return [dims[d] for d in layout]
+
+
+def _check_buckets(m: Manifest) -> None:
+    K = m.num_speculative_tokens
+    if m.max_model_len < min_max_model_len(K):
+        raise ValueError(f"max_model_len {m.max_model_len} must exceed num_speculative_tokens + 1 ({K + 1})")
+    for key in ("prefill_buckets", "batch_buckets", "context_buckets"):
+        b = getattr(m, key)
+        if b != sorted(set(b)):
+            raise ValueError(f"{key} {b} must be strictly increasing")
+    if m.context_buckets and not min_max_model_len(K) <= m.context_buckets[0] \
+            <= m.context_buckets[-1] < m.max_model_len:
+        raise ValueError(f"context_buckets {m.context_buckets} must lie in {min_max_model_len(K)}.."
+                         f"{m.max_model_len - 1} (below max_model_len; the whole cache is always a graph)")
+
+
+def _check_speculation(m: Manifest) -> None:
+    """One shape per batch bucket; a menu only extends a speculating bucket; K is the deepest shape's depth."""
+    if sorted(m.speculation) != m.batch_buckets:
+        raise ValueError(f"speculation must have one shape per batch bucket {m.batch_buckets}, "
+                         f"has {sorted(m.speculation)}")
+    for b, shapes in m.menu.items():
+        own = m.speculation.get(b)
+        if own is None or not own.speculates:
+            why = "is not one of the batch buckets" if own is None else "does not speculate"
+            raise ValueError(f"menu: batch bucket {b} {why}; a menu extends a speculating bucket's shape")
+        tags = [s.tag for s in [own, *shapes]]
+        if any(not s.speculates for s in shapes) or len(set(tags)) != len(tags):
+            raise ValueError(f"menu of batch bucket {b}: {tags[1:]} must be speculating shapes, each once and "
+                             f"other than the bucket's own ({tags[0]})")
+    K = m.num_speculative_tokens
+    if K != max(s.depth for s in all_shapes(m.speculation, m.menu)):
+        raise ValueError(f"num_speculative_tokens {K} is not the deepest speculation shape's depth")
+
+
+def _check_serving(m: Manifest) -> None:
+    if m.max_num_seqs < m.batch_buckets[-1]:
+        raise ValueError(f"max_num_seqs {m.max_num_seqs} is below the largest batch bucket {m.batch_buckets[-1]}")
+    if any(not 0 <= t < m.vocab_size for t in m.eos_token_ids):
+        raise ValueError(f"eos_token_ids {m.eos_token_ids} must lie in [0, vocab_size {m.vocab_size})")
+    if set(m.models) != {"target", "draft"}:
+        raise ValueError(f"models must be exactly target and draft, got {sorted(m.models)}")
+    for name, model in m.models.items():
+        if model.name != name or len(model.weight_files) != m.tp_degree:
+            raise ValueError(f"models.{name}: needs name {name!r} and one weight file per rank "
+                             f"({m.tp_degree}), has {len(model.weight_files)}")
+
+
+def _check_graph_table(m: Manifest) -> None:
+    """Exactly one graph per (role, bucket, shape, context) the plan needs (plan_roles), none more."""
+    have = {(g.role, g.bucket, g.shape.tag if g.shape else None, g.context) for g in m.graphs}
+    if len(have) != len(m.graphs):
+        raise ValueError("graphs: more than one graph for the same role, bucket, shape and context")
+    need = {(r, b, v.tag if v else None, c)
+            for r, b, v, c in plan_roles(m.prefill_buckets, m.speculation, m.menu, m.context_buckets)}
+
+    def said(keys):
+        return [f"{r}/{b}" + (f"/{v}" if v else "") + (f"/c{c}" if c else "") for r, b, v, c in sorted(keys, key=str)]
+    missing = said(need - have)
+    if missing:
+        raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles, "
+                         "per context bucket where the role has them)")
+    extra = said(have - need)
+    if extra:
+        raise ValueError(f"graphs: {', '.join(extra[:4])} serves no shape of its bucket (speculation, menu) "
+                         "or no context bucket")
 
 
 def _check_states(m: Manifest) -> dict[str, str]:

@@ -152,6 +152,86 @@ def _parsed_once(parse):
     return functools.lru_cache(maxsize=256)(parse)
 
 
+def _mkl_linear(x, packed_w, orig_w, b, batch_size, *, layout=None):
+    from torch._inductor import mkldnn_ir
+    from torch._inductor.ir import TensorBox
+
+    return TensorBox.create(mkldnn_ir.MKLPackedLinear.create(x, packed_w, orig_w, b, batch_size))
+
+
+def _onednn_linear(x, w, b, attr, scalars, algorithm, layout=None):
+    from torch._inductor import mkldnn_ir
+    from torch._inductor.ir import FixedLayout, TensorBox
+
+    cls = mkldnn_ir.LinearUnary
+    x, w = cls.require_contiguous(cls.realize_input(x)), cls.realize_input(w)  # (w: an opaque oneDNN tensor)
+    inputs = [x, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
+    consts = ([] if b is not None else [None]) + [attr, scalars if scalars else [-1], algorithm]
+    *m, _ = x.get_size()
+    node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[*m, w.get_size()[0]]),
+               inputs=inputs, constant_args=consts)
+    return TensorBox.create(mkldnn_ir._create_output_node(node))
+
+
+def _onednn_linear_add(x, y, w, b, attr, layout=None):  # (Inductor fuses a following add into the GEMM)
+    from torch._inductor import lowering, mkldnn_ir
+    from torch._inductor.ir import FixedLayout, TensorBox
+
+    cls = mkldnn_ir.LinearBinary
+    x, y = (cls.require_contiguous(cls.realize_input(lowering.view(t, [-1, t.get_size()[-1]]))) for t in (x, y))
+    w = cls.realize_input(w)
+    inputs = [x, y, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
+    node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[x.get_size()[0], w.get_size()[0]]),
+               inputs=inputs, constant_args=([] if b is not None else [None]) + [attr])
+    return TensorBox.create(mkldnn_ir._create_output_node(node))
+
+
+def _blocked_linear(x, w, n, threads):
+    from torch._inductor import config, ir
+    from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
+    from torch._inductor.select_algorithm import autotune_select_algorithm
+
+    x = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(x))
+    w = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(w))
+    m, k = x.get_size()
+    _, _, bn = w.get_size()
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [m, n])
+    # the template reads its weight's [k, n] shape before laying it out; prep_weight then hands it w as is
+    stand_in = ir.ReinterpretView(data=w.data if isinstance(w, ir.TensorBox) else w,
+                                  layout=ir.FixedLayout(w.get_device(), w.get_dtype(), [k, n], [1, k]))
+
+    class Preblocked(CppGemmTemplate):
+        @classmethod
+        def prep_weight(cls, inputs, layout_, micro_gemm, should_block_weight, *args, **kwargs):
+            if micro_gemm.register_blocking.block_n != bn:
+                raise RuntimeError(f"blocked weight copy of block_n {bn}, Inductor's micro-kernel for "
+                                   f"({m} x {k}) @ ({k} x {n}) takes {micro_gemm.register_blocking.block_n}")
+            return [inputs[0], w, *inputs[2:]], layout_
+
+    choices: list = []
+    with config.patch({"cpp.threads": int(threads)}):
+        Preblocked.add_choices(choices, layout, [x, stand_in])
+    if len(choices) != 1:
+        raise RuntimeError(f"Inductor's CPU GEMM template made {len(choices)} choices for eagle3::blocked_linear")
+    node, _ = autotune_select_algorithm("eagle3_blocked_linear", choices, [x, w], layout)
+    return node
+
+
+def _packed_lowerings() -> dict:
+    """op overload -> our lowering, for the packed ops this torch build has (Inductor has a lowering of its own
+    for the MKL / oneDNN ones, none for eagle3::blocked_linear)."""
+    from torch._inductor import lowering
+
+    ours = {torch.ops.eagle3.blocked_linear: _blocked_linear}
+    if torch._C.has_mkl:
+        ours[torch.ops.mkl._mkl_linear] = _mkl_linear
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        ours[torch.ops.mkldnn._linear_pointwise] = _onednn_linear
+        ours[torch.ops.mkldnn._linear_pointwise.binary] = _onednn_linear_add
+    return {k: fn for op, fn in ours.items() for k in (op, getattr(op, "default", op))
+            if k in lowering.lowerings or op is torch.ops.eagle3.blocked_linear}
+
+
 @contextlib.contextmanager
 def packed_input_lowering():
     """Inductor lowers the packed GEMMs (`mkl._mkl_linear`, `mkldnn._linear_pointwise`) only with the packed
@@ -159,71 +239,11 @@ def packed_input_lowering():
     at load), so lower each call straight to the same extern kernel (mkldnn_ir.MKLPackedLinear /
     LinearUnary) with every operand an input; and eagle3::blocked_linear to Inductor's GEMM template over its
     blocked copy, its micro-kernel prefetching (module doc); and each template source is parsed once (_parsed_once)."""
-    from torch._inductor import lowering, mkldnn_ir
+    from torch._inductor import lowering
     from torch._inductor.codegen.common import KernelTemplate
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
-    from torch._inductor.ir import FixedLayout, TensorBox
 
-    def mkl_linear(x, packed_w, orig_w, b, batch_size, *, layout=None):
-        return TensorBox.create(mkldnn_ir.MKLPackedLinear.create(x, packed_w, orig_w, b, batch_size))
-
-    def onednn_linear(x, w, b, attr, scalars, algorithm, layout=None):
-        cls = mkldnn_ir.LinearUnary
-        x, w = cls.require_contiguous(cls.realize_input(x)), cls.realize_input(w)  # (w: an opaque oneDNN tensor)
-        inputs = [x, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
-        consts = ([] if b is not None else [None]) + [attr, scalars if scalars else [-1], algorithm]
-        *m, _ = x.get_size()
-        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[*m, w.get_size()[0]]),
-                   inputs=inputs, constant_args=consts)
-        return TensorBox.create(mkldnn_ir._create_output_node(node))
-
-    def onednn_linear_add(x, y, w, b, attr, layout=None):  # (Inductor fuses a following add into the GEMM)
-        cls = mkldnn_ir.LinearBinary
-        x, y = (cls.require_contiguous(cls.realize_input(lowering.view(t, [-1, t.get_size()[-1]]))) for t in (x, y))
-        w = cls.realize_input(w)
-        inputs = [x, y, w] + ([cls.require_contiguous(cls.realize_input(b))] if b is not None else [])
-        node = cls(layout=FixedLayout(device=x.get_device(), dtype=x.get_dtype(), size=[x.get_size()[0], w.get_size()[0]]),
-                   inputs=inputs, constant_args=([] if b is not None else [None]) + [attr])
-        return TensorBox.create(mkldnn_ir._create_output_node(node))
-
-    def blocked_linear(x, w, n, threads):
-        from torch._inductor import config, ir
-        from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
-        from torch._inductor.select_algorithm import autotune_select_algorithm
-
-        x = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(x))
-        w = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(w))
-        m, k = x.get_size()
-        _, _, bn = w.get_size()
-        layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [m, n])
-        # the template reads its weight's [k, n] shape before laying it out; prep_weight then hands it w as is
-        stand_in = ir.ReinterpretView(data=w.data if isinstance(w, ir.TensorBox) else w,
-                                      layout=ir.FixedLayout(w.get_device(), w.get_dtype(), [k, n], [1, k]))
-
-        class Preblocked(CppGemmTemplate):
-            @classmethod
-            def prep_weight(cls, inputs, layout_, micro_gemm, should_block_weight, *args, **kwargs):
-                if micro_gemm.register_blocking.block_n != bn:
-                    raise RuntimeError(f"blocked weight copy of block_n {bn}, Inductor's micro-kernel for "
-                                       f"({m} x {k}) @ ({k} x {n}) takes {micro_gemm.register_blocking.block_n}")
-                return [inputs[0], w, *inputs[2:]], layout_
-
-        choices: list = []
-        with config.patch({"cpp.threads": int(threads)}):
-            Preblocked.add_choices(choices, layout, [x, stand_in])
-        if len(choices) != 1:
-            raise RuntimeError(f"Inductor's CPU GEMM template made {len(choices)} choices for eagle3::blocked_linear")
-        node, _ = autotune_select_algorithm("eagle3_blocked_linear", choices, [x, w], layout)
-        return node
-
-    ours = {torch.ops.eagle3.blocked_linear: blocked_linear}
-    if torch._C.has_mkl:
-        ours[torch.ops.mkl._mkl_linear] = mkl_linear
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        ours[torch.ops.mkldnn._linear_pointwise] = onednn_linear
-        ours[torch.ops.mkldnn._linear_pointwise.binary] = onednn_linear_add
-    table = {k: fn for op, fn in ours.items() for k in (op, getattr(op, "default", op))
-             if k in lowering.lowerings or op is torch.ops.eagle3.blocked_linear}  # (ours has none by default)
+    table = _packed_lowerings()
     old = {k: lowering.lowerings[k] for k in table if k in lowering.lowerings}
     lowering.lowerings.update(table)
     shipped = CppMicroGemmFP32Vec.TEMPLATE_KERNEL  # (rendered when the graph's code is generated: inside the compile)

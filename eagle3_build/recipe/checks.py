@@ -32,55 +32,53 @@ _SOURCE_FORMS = (
 
 def resolve_source(value: Any, base_dir: Path, rel: tuple, add: Callable[..., None]) -> SourceSpec | None:
     """Normalise one target/draft entry; reports problems through ``add`` and returns None if any."""
-    ok = True
-    if isinstance(value, str):
-        uri, gguf_file, allow_pickle, src_rel = value, None, False, rel
-    elif isinstance(value, dict):
-        try:
-            raw = RawSource.model_validate(value)
-            uri, gguf_file, allow_pickle = raw.source, raw.gguf_file, raw.allow_pickle
-        except ValidationError as exc:
-            for err in exc.errors():
-                add(rel + tuple(err["loc"]), pydantic_message(err, RawSource))
-            # keep checking what is usable so that every problem is reported at once
-            uri, gguf_file, allow_pickle = value.get("source"), value.get("gguf_file"), False
-            if not isinstance(gguf_file, str):
-                gguf_file = None
-            ok = False
-        if not isinstance(uri, str):
-            return None
-        src_rel = rel + ("source",)
-    else:
-        add(rel, f"must be {_SOURCE_FORMS}; got {describe_value(value)}")
+    fields = _source_fields(value, rel, add)
+    if fields is None:
         return None
-
+    uri, gguf_file, allow_pickle, src_rel, ok = fields
     if gguf_file is not None and (not gguf_file.lower().endswith(".gguf") or gguf_file.startswith(("/", "\\"))):
         add(rel + ("gguf_file",), f"must be the relative name of a .gguf file, got {gguf_file!r}")
         ok = False
     if not uri.strip():
         add(src_rel, f"must not be empty; use {_SOURCE_FORMS}")
         return None
-
     if uri.startswith("hf://"):
         m = HF_RE.match(uri)
         if not m:
             add(src_rel, f"malformed hf:// uri {uri!r}: must be hf://org/name or hf://org/name@revision")
             return None
-        if not ok:
-            return None
-        return SourceSpec(
-            uri=uri,
-            kind="hf",
-            repo_id=f"{m.group(1)}/{m.group(2)}",
-            revision=m.group(3) or "main",
-            gguf_file=gguf_file,
-            allow_pickle=allow_pickle,
-        )
-
+        return SourceSpec(uri=uri, kind="hf", repo_id=f"{m.group(1)}/{m.group(2)}", revision=m.group(3) or "main",
+                          gguf_file=gguf_file, allow_pickle=allow_pickle) if ok else None
     if _SCHEME_RE.match(uri):
         add(src_rel, f"unsupported source {uri!r}: use a local path, hf://org/name[@revision] or a .gguf file")
         return None
+    return _local_source(uri, gguf_file, allow_pickle, base_dir, rel, src_rel, add, ok)
 
+
+def _source_fields(value: Any, rel: tuple, add: Callable[..., None]) -> tuple | None:
+    """(uri, gguf_file, allow_pickle, the uri's path in the recipe, whether the entry validated) of a string or
+    mapping entry; None where no uri can be read from it."""
+    if isinstance(value, str):
+        return value, None, False, rel, True
+    if not isinstance(value, dict):
+        add(rel, f"must be {_SOURCE_FORMS}; got {describe_value(value)}")
+        return None
+    try:
+        raw = RawSource.model_validate(value)
+    except ValidationError as exc:
+        for err in exc.errors():
+            add(rel + tuple(err["loc"]), pydantic_message(err, RawSource))
+        # keep checking what is usable so that every problem is reported at once
+        uri, gguf_file = value.get("source"), value.get("gguf_file")
+        return (uri, gguf_file if isinstance(gguf_file, str) else None, False, rel + ("source",), False) \
+            if isinstance(uri, str) else None
+    return raw.source, raw.gguf_file, raw.allow_pickle, rel + ("source",), True
+
+
+def _local_source(uri: str, gguf_file: str | None, allow_pickle: bool, base_dir: Path, rel: tuple, src_rel: tuple,
+                  add: Callable[..., None], ok: bool) -> SourceSpec | None:
+    """A local directory, a .gguf file, or a .gguf file in a directory (relative paths against the recipe's);
+    None where a problem was reported (`ok`: none was before)."""
     p = Path(os.path.expanduser(uri))
     if not p.is_absolute():
         p = base_dir / p

@@ -64,26 +64,10 @@ def verify_server(
         say(f"server {base}: model {served}")
         say("loading the reference target")
         ref_model, ref_desc = load_reference(None, dtype=ref_dtype, location=location)
-        gen = ref_model.generation_config
-        eos = eos_token_ids(ref_model.config.to_dict(), {"eos_token_id": gen.eos_token_id} if gen else None)
-        tie_dtype = coarser(p.dtype, ref_dtype)
         first = counters(client, base)
-        results, refs = [], []
-        before = first
-        for i, (text, ids) in enumerate(zip(texts, encoded)):
-            say(f"prompt {i + 1}/{len(texts)}")
-            ref = reference_greedy(ref_model, ids, max_tokens, eos)
-            got = complete(client, base, served, ids, max_tokens)
-            after = counters(client, base)
-            r = compare(text, ids, *same_ending(ref, got, eos), tie_dtype)
-            one = stats_between(before, after)
-            r.acceptance_length = one.mean_acceptance_length if one is not None and one.num_drafts else 1.0
-            before = after
-            if r.near_tie:
-                check_continuation(ref_model, r, tie_dtype)
-            results.append(r)
-            refs.append(ref)
-    acc = stats_between(first, before)
+        results, refs, last = _check_prompts(client, base, served, texts, encoded, ref_model, max_tokens,
+                                             coarser(p.dtype, ref_dtype), first, say)
+    acc = stats_between(first, last)
     note = None
     if acc is None:
         note = (f"{base}/metrics has no speculative-decoding counters (eagle3_spec_decode_* or vllm:spec_decode_*): "
@@ -91,20 +75,49 @@ def verify_server(
         acc = SpecStats(p.speculation.num_speculative_tokens)
     report = VerifyReport(bundle=f"{base} (model {served})", reference=ref_desc, dtype=p.dtype,
                           reference_dtype=ref_dtype, num_speculative_tokens=acc.k, max_tokens=max_tokens,
-                          speculation=f"served by {base}, counters {before['metric_prefix'] if before else 'none'}",
+                          speculation=f"served by {base}, counters {last['metric_prefix'] if last else 'none'}",
                           min_acceptance_length=min_acceptance_length, prompts=results, acceptance=acc,
                           acceptance_note=note, subject="server")
     if (diagnose or (diagnose is None and not report.gate_ok)) and note is None:
         say("diagnosing the draft")
-        try:
-            found = checkpoint_draft(p, ref_model)
-            report.diagnoses = found if isinstance(found, list) else diagnose_draft(
-                found, ref_model, [(ids, r.ids) for ids, r in zip(encoded, refs)],
-                acc.per_position[0] if acc.num_drafts else None)
-        except Exception as e:  # noqa: BLE001 - best effort: never hide the verdict behind a diagnosis crash
-            report.diagnosis_error = f"{type(e).__name__}: {e}"
+        _diagnose(report, p, ref_model, [(ids, r.ids) for ids, r in zip(encoded, refs)], acc)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_prompts(client: httpx.Client, base: str, served: str, texts: Sequence[str], encoded: list[list[int]],
+                   ref_model, max_tokens: int, tie_dtype: str, before: dict | None, say: Callable[[str], None]):
+    """Each prompt served once and compared with the reference; its acceptance from the counters around it
+    (`before`: the counters before the first). Returns the results, the reference continuations and the
+    counters after the last prompt."""
+    gen = ref_model.generation_config
+    eos = eos_token_ids(ref_model.config.to_dict(), {"eos_token_id": gen.eos_token_id} if gen else None)
+    results, refs = [], []
+    for i, (text, ids) in enumerate(zip(texts, encoded)):
+        say(f"prompt {i + 1}/{len(texts)}")
+        ref = reference_greedy(ref_model, ids, max_tokens, eos)
+        got = complete(client, base, served, ids, max_tokens)
+        after = counters(client, base)
+        r = compare(text, ids, *same_ending(ref, got, eos), tie_dtype)
+        one = stats_between(before, after)
+        r.acceptance_length = one.mean_acceptance_length if one is not None and one.num_drafts else 1.0
+        before = after
+        if r.near_tie:
+            check_continuation(ref_model, r, tie_dtype)
+        results.append(r)
+        refs.append(ref)
+    return results, refs, before
+
+
+def _diagnose(report: VerifyReport, p: PairRecipe, ref_model, pairs: list, acc: SpecStats) -> None:
+    """The draft directory of the recipe checked against the reference (best effort: a crash here is
+    reported beside the verdict, never instead of it)."""
+    try:
+        found = checkpoint_draft(p, ref_model)
+        report.diagnoses = found if isinstance(found, list) else diagnose_draft(
+            found, ref_model, pairs, acc.per_position[0] if acc.num_drafts else None)
+    except Exception as e:  # noqa: BLE001 - best effort: never hide the verdict behind a diagnosis crash
+        report.diagnosis_error = f"{type(e).__name__}: {e}"
 
 
 def recipe_pair(recipe: str | Path, name: str | None) -> PairRecipe:
