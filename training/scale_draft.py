@@ -6,16 +6,18 @@
 
 Stages, each resumable from what `--data` already holds (a stopped run continues where it stopped):
 
-1. prompts.jsonl: user turns from three sources, deduplicated and never one of an evaluation set
+1. prompts.jsonl: user turns from three sources (or --prompts-from a prompt file: an earlier run's, or
+   sharegpt_prompts.py's), deduplicated and never one of an evaluation set
    (eval_sets.py: MT-Bench questions, the project's held-out and built-in prompts): Magpie turns the
    target samples itself after the chat template's user header; Magpie turns steered by an opening
    (OPENINGS: writing, role-play, reasoning, math, code, extraction, STEM, humanities); and the
    templated prompts of train_eagle3_draft.py. A held-out slice of the pool is kept for evaluation.
-2. answers-NNN.safetensors: the target's greedy answers (chat template, float32), CHUNK prompts per file.
+2. answers-NNN.safetensors: the target's greedy answers (chat template, --answer-dtype), CHUNK prompts per file.
 3. Draft vocabulary: per candidate size, the most frequent ids of the training answers; the smallest size
    that covers `--coverage` of the held-out answers' tokens (the rest are certain misses) is kept.
 4. Training-time test (train_eagle3_draft.TrainDraft, K = --ttt unrolled steps): the aux states come from
-   a target forward pass per batch (bf16), so no aux is stored and the data scales with disk, not RAM.
+   a target forward pass per batch (bf16), so no aux is stored and the data scales with disk, not RAM; the
+   loss is the cross-entropy against the target's greedy token (--loss hard) or its distribution (soft).
 5. Eval: teacher-forced acceptance per K on every evaluation set, the starting draft beside the new one.
 
 Time is bounded by --deadline (seconds from start): prompt sampling, answering and training each get a
@@ -265,11 +267,12 @@ def choose_vocab(train: list[dict], held: list[dict], vocab: int, coverage_goal:
 # ----------------------------------------------------------------------------- 4./5. TTT on the fly
 
 @torch.no_grad()
-def aux_states(model, tokens: torch.Tensor) -> torch.Tensor:
-    """[B,T,3H]: the residual stream entering target layers AUX_LAYER_IDS (right padding needs no mask)."""
+def target_states(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [B,T,3H]: the residual stream entering target layers AUX_LAYER_IDS, and the final normed
+    hidden state [B,T,H] (right padding needs no mask)."""
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
-        hs = model.model(input_ids=tokens, output_hidden_states=True).hidden_states
-    return torch.cat([hs[k] for k in AUX_LAYER_IDS], dim=-1).to(torch.bfloat16)
+        out = model.model(input_ids=tokens, output_hidden_states=True)
+    return torch.cat([out.hidden_states[k] for k in AUX_LAYER_IDS], dim=-1).to(torch.bfloat16), out.last_hidden_state
 
 
 def collate(seqs: list[dict], ttt: int, device: str):
@@ -288,11 +291,31 @@ def collate(seqs: list[dict], ttt: int, device: str):
     return tokens.to(device), tgt[..., start:].to(device), start
 
 
-def ttt_logits(draft, model, seqs, ttt: int, device: str):
+def ttt_logits(draft, model, seqs, ttt: int, device: str, head: torch.Tensor | None = None):
+    """The draft's logits per TTT step, the target ids they predict and, given `head` (the target's lm_head
+    rows of the draft vocabulary), the target's logits over that vocabulary at base positions start+1..T-1:
+    step j at base position i predicts what the target predicted at i+1+j."""
     tokens, tgt, start = collate(seqs, ttt, device)
-    aux = aux_states(model, tokens)
+    aux, last = target_states(model, tokens)
     with torch.autocast(device, dtype=torch.bfloat16):
-        return draft.forward_ttt(aux, tokens, ttt, start), tgt
+        teacher = last[:, start + 1:] @ head.to(last.dtype).T if head is not None else None
+        return draft.forward_ttt(aux, tokens, ttt, start), tgt, teacher
+
+
+def ttt_loss(logits: list[torch.Tensor], lab: torch.Tensor, teacher: torch.Tensor | None) -> torch.Tensor:
+    """Sum over steps j of 0.8^j x the cross-entropy against the target: its distribution over the draft
+    vocabulary (EAGLE-3's loss; `teacher` given) or its greedy token (`lab`, draft ids, -100 = no loss)."""
+    loss = 0.0
+    for j, lg in enumerate(logits):
+        if teacher is None:
+            ce = F.cross_entropy(lg.float().flatten(0, 1), lab[:, j].flatten(), ignore_index=-100)
+        else:
+            n = teacher.shape[1] - j  # positions whose target prediction exists
+            ok = lab[:, j, :n] >= 0
+            p = torch.softmax(teacher[:, j:][ok].float(), dim=-1)
+            ce = F.cross_entropy(lg[:, :n][ok].float(), p) if ok.any() else lg.sum() * 0.0
+        loss = loss + (0.8 ** j) * ce
+    return loss
 
 
 @torch.no_grad()
@@ -301,7 +324,7 @@ def acceptance(draft, model, seqs, d2t: torch.Tensor, ttt: int, device: str) -> 
     draft.eval()
     lead = []
     for b in batches(seqs, 16384, random.Random(0)):
-        logits, tgt = ttt_logits(draft, model, b, ttt, device)
+        logits, tgt, _ = ttt_logits(draft, model, b, ttt, device)
         hit = torch.stack([(lg.float().argmax(-1) + d2t[lg.float().argmax(-1)]) == tgt[:, j]
                            for j, lg in enumerate(logits)], dim=1)
         valid = (tgt >= 0).all(dim=1)
@@ -388,6 +411,9 @@ def main(argv=None) -> int:
     ap.add_argument("--coverage", type=float, default=0.99)
     ap.add_argument("--keep-vocab", action="store_true", help="keep --init-from's draft vocabulary (a fine-tune)")
     ap.add_argument("--ttt", type=int, default=4)
+    ap.add_argument("--loss", default="hard", choices=["hard", "soft"],
+                    help="hard: cross-entropy against the target's greedy token; soft: against its distribution "
+                    "over the draft vocabulary (EAGLE-3's; lost to hard in a CPU fine-tune, training/README.md)")
     ap.add_argument("--batch-tokens", type=int, default=65536)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
@@ -464,6 +490,7 @@ def main(argv=None) -> int:
     t2d_index = torch.full((cfg_t["vocab_size"],), -100, dtype=torch.long, device=dev)
     t2d_index[ids.to(dev)] = torch.arange(ids.numel(), device=dev)
 
+    head = model.get_output_embeddings().weight.detach()[ids.to(dev)] if args.loss == "soft" else None
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(args.seed)
@@ -482,10 +509,9 @@ def main(argv=None) -> int:
             lr = args.lr * min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * prog))
             for g in opt.param_groups:
                 g["lr"] = lr
-            logits, tgt = ttt_logits(draft, model, b, args.ttt, dev)
+            logits, tgt, teacher = ttt_logits(draft, model, b, args.ttt, dev, head)
             lab = torch.where(tgt >= 0, t2d_index[tgt.clamp(min=0)], torch.full_like(tgt, -100))
-            loss = sum((0.8 ** j) * F.cross_entropy(lg.float().flatten(0, 1), lab[:, j].flatten(), ignore_index=-100)
-                       for j, lg in enumerate(logits))
+            loss = ttt_loss(logits, lab, teacher)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -496,7 +522,7 @@ def main(argv=None) -> int:
                 log(f"step {s}/{total} loss {ema:.3f} lr {lr:.2e}")
                 logged = time.perf_counter()
     report["training"] = {"steps": s, "epochs": round(s / per_epoch, 2), "train_s": round(time.perf_counter() - t_train, 1),
-                          "loss_ema": round(ema or 0.0, 4), "ttt": args.ttt, "batch_tokens": args.batch_tokens,
+                          "loss_ema": round(ema or 0.0, 4), "loss": args.loss, "ttt": args.ttt, "batch_tokens": args.batch_tokens,
                           "lr": args.lr}
     log(f"training: {report['training']}")
     save_report()
