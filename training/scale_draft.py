@@ -544,7 +544,9 @@ def main(argv=None) -> int:
                           for p, r in answer(model, tok, evals[name], args.eval_max_new_tokens, args.gen_batch)]
     for name, seqs in sets.items():
         report["eval"][name] = {"before": acceptance(old, model, seqs, old_d2t, args.ttt, dev),
-                                "after": acceptance(draft, model, seqs, d2t, args.ttt, dev)}
+                                "after": acceptance(draft, model, seqs, d2t, args.ttt, dev),
+                                # share of answer tokens the draft can name at all: the ceiling of position 1
+                                "vocab_coverage": round(coverage(ids, seqs, cfg_t["vocab_size"]), 4)}
         log(f"eval {name}: {report['eval'][name]}")
     report["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     save_report()
