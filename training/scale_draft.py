@@ -210,6 +210,11 @@ def save_answers(path: Path, pairs, first: int, dtype: torch.dtype) -> None:
     tmp.rename(path)
 
 
+def as_seqs(pairs) -> list[dict]:
+    """(prompt ids, answer ids) pairs as the sequences training and evaluation read."""
+    return [{"tokens": torch.tensor(p + r), "P": len(p)} for p, r in pairs]
+
+
 def load_answers(path: Path) -> list[dict]:
     from safetensors.torch import load_file
 
@@ -553,16 +558,14 @@ def main(argv=None) -> int:
     # evaluation sets: held-out answers of the pool, and fresh answers to every evaluation prompt set
     report["eval"] = {}
     old_d2t = old_d2t.to(dev)
-    sets = {"heldout-pool": held}
-    for name in ("mtbench", "heldout-templates", "unseen-chat"):
-        if name in evals:
-            sets[name] = [{"tokens": torch.tensor(p + r), "P": len(p)}
-                          for p, r in answer(model, tok, evals[name], args.eval_max_new_tokens, args.gen_batch)]
-    # MT-Bench's second turns, after the target's own answer to the first
-    turn2 = [{"prompt": q["turns"][0], "followup": q["turns"][1]} for q in questions if len(q["turns"]) > 1]
-    if turn2:
-        sets["mtbench-turn2"] = [{"tokens": torch.tensor(p + r), "P": len(p)} for p, r in
-                                 answer_rows(model, tok, turn2, args.eval_max_new_tokens, args.gen_batch)[len(turn2):]]
+    # MT-Bench's first turns, then its second turns after the target's own first answers (one answering)
+    n_eval, n_mt = args.eval_max_new_tokens, len(questions)
+    mt = answer_rows(model, tok, [{"prompt": q["turns"][0], "followup": (q["turns"][1:] or [None])[0]}
+                                  for q in questions], n_eval, args.gen_batch)
+    sets = {"heldout-pool": held, "mtbench": as_seqs(mt[:n_mt])}
+    sets |= {n: as_seqs(answer(model, tok, evals[n], n_eval, args.gen_batch)) for n in ("heldout-templates", "unseen-chat")}
+    if mt[n_mt:]:
+        sets["mtbench-turn2"] = as_seqs(mt[n_mt:])
     for name, seqs in sets.items():
         report["eval"][name] = {"before": acceptance(old, model, seqs, old_d2t, args.ttt, dev),
                                 "after": acceptance(draft, model, seqs, d2t, args.ttt, dev),

@@ -82,13 +82,17 @@ def main(argv=None) -> int:
         ap.error(f"{args.wheel}: not a wheel holding {MEMBER} ({e})")
     excluded = {norm_text(p) for ps in eval_prompts(None).values() for p in ps}
     near = {k[:PREFIX] for k in excluded}  # (an evaluation prompt pasted with something added)
+
+    def unseen(key: str, seen: set[str]) -> bool:
+        return key not in seen and key[:PREFIX] not in near
+
     seen, rows = set(excluded), []
     for cid, p, follow in first_turns(text):
         key = norm_text(p)
-        if key not in seen and key[:PREFIX] not in near:
+        if unseen(key, seen):
             seen.add(key)
             rows.append({"prompt": p, "source": "sharegpt-v3", "id": cid, "split": "train"})
-            if follow and norm_text(follow) not in excluded and norm_text(follow)[:PREFIX] not in near:
+            if follow and unseen(norm_text(follow), excluded):
                 rows[-1]["followup"] = follow
     random.Random(args.seed).shuffle(rows)
     rows = rows[:args.limit] if args.limit else rows
