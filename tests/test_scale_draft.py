@@ -71,6 +71,7 @@ def test_prompts_answers_finetune_eval(tmp_path):
         ev = report["eval"][name]
         assert ev["before"]["drafts"] == ev["after"]["drafts"] > 0, name
         assert 1.0 <= ev["after"]["K1"] <= ev["after"]["K4"] <= 5.0 and 0.0 < ev["vocab_coverage"] <= 1.0, name
+        assert 1.0 <= ev["after"]["served"]["K1"] <= ev["after"]["served"]["K4"] <= 5.0, name
     # the draft learnt the target's answers: acceptance on held-out prompts of the same kind rose
     pool = report["eval"]["heldout-pool"]
     assert pool["after"]["K3"] > pool["before"]["K3"] + 0.2, pool
@@ -96,3 +97,14 @@ def test_prompts_answers_finetune_eval(tmp_path):
     mtime = answers.stat().st_mtime_ns
     assert scale_draft.main(args + ["--answers-only"]) == 0
     assert answers.stat().st_mtime_ns == mtime
+
+
+def test_served_rounds_start_where_the_last_round_ended():
+    # run[i]: drafts a chain at base i would get right. Base 1 (the prompt's last token): 2 accepted, then the
+    # round at base 4 (1 + 2 + the bonus) gets 0, at 5 gets min(5, 3) = 3; at 9 the pending token is the
+    # answer's last (n = 11): no round
+    run = [9, 2, 9, 9, 0, 5, 9, 9, 9, 1, 0]
+    assert scale_draft.served_rounds(run, 1, 11, 3) == [2, 0, 3]
+    assert scale_draft.served_rounds(run, 1, 11, 1) == [1, 1, 1, 1]
+    # per position the same run averages higher: positions inside an accepted run start no round
+    assert sum(min(r, 3) for r in run[1:9]) / 8 > sum([2, 0, 3]) / 3

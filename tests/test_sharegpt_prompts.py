@@ -32,6 +32,8 @@ def test_first_turns_of_complete_conversations_only(tmp_path):
              _chat("e_0", "Объясни, пожалуйста, как работает TCP и чем он отличается от UDP?"),  # not English
              _chat("f_0", "Write a haiku about the sea.", mt2),  # a follow-up that is MT-Bench's second turn
              _chat("g_0", "how do i sort a list in python?"),  # a duplicate
+             {"id": "i_0", "conversations": [{"from": "human", "value": ["not", "text"]}]},  # malformed: skipped
+             {"id": "j_0", "conversations": "not a list"}, ["not", "a", "conversation"],
              _chat("h_0", "Summarise the plot of Hamlet in three sentences.")]
     text = "[" + ", ".join(json.dumps(c) for c in chats)
     text = text[:-25]  # cut off inside the last conversation
@@ -53,7 +55,11 @@ def test_another_or_missing_wheel_is_one_line_exit_2(tmp_path, capsys):
     wheel = tmp_path / "other.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(MEMBER, "[]")
+    empty = tmp_path / "empty.whl"  # pinned by its own digest, but nothing in ShareGPT's form
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr(MEMBER, json.dumps([{"id": "a_0", "conversations": [{"from": "human", "value": 7}]}, 3]))
     for argv, needle in (([str(wheel)], "sha256"), ([str(tmp_path / "none.whl")], "no such file"),
+                         ([str(empty), "--sha256", hashlib.sha256(empty.read_bytes()).hexdigest()], "ShareGPT's form"),
                          ([str(REPO / "README.md"), "--sha256", hashlib.sha256((REPO / "README.md").read_bytes()).hexdigest()],
                           "not a wheel")):
         with pytest.raises(SystemExit) as e:

@@ -339,21 +339,41 @@ def ttt_loss(logits: list[torch.Tensor], lab: torch.Tensor, teacher: torch.Tenso
 
 @torch.no_grad()
 def acceptance(draft, model, seqs, d2t: torch.Tensor, ttt: int, device: str) -> dict:
-    """Greedy acceptance if a chain of K = 1..ttt started at every answer position (teacher-forced)."""
+    """Greedy acceptance if a chain of K = 1..ttt started at every answer position (teacher-forced), and
+    `served`: the same chains replayed round after round as a server runs them (served_rounds)."""
     draft.eval()
-    lead = []
+    lead, rounds = [], {k: [] for k in range(1, ttt + 1)}
     for b in batches(seqs, 16384, random.Random(0)):
         logits, tgt, _ = ttt_logits(draft, model, b, ttt, device)
+        start = max(len(s["tokens"]) for s in b) - tgt.shape[-1]  # (collate's first base position)
         hit = torch.stack([(lg.float().argmax(-1) + d2t[lg.float().argmax(-1)]) == tgt[:, j]
                            for j, lg in enumerate(logits)], dim=1)
         valid = (tgt >= 0).all(dim=1)
-        lead.append(hit.long().cumprod(dim=1).sum(dim=1)[valid])
+        run = hit.long().cumprod(dim=1).sum(dim=1)
+        lead.append(run[valid])
+        for r, s in enumerate(b):
+            for k in rounds:
+                rounds[k] += served_rounds(run[r].tolist(), s["P"] - 1 - start, len(s["tokens"]) - start, k)
     a = torch.cat(lead).float().cpu()
     draft.train()
     if not a.numel():  # answers shorter than ttt + 1 tokens
         return {"drafts": 0}
     return {f"K{k}": round(1 + float(a.clamp(max=k).mean()), 3) for k in range(1, ttt + 1)} | {
-        "per_position": [round(float((a >= k).float().mean()), 3) for k in range(1, ttt + 1)], "drafts": a.numel()}
+        "per_position": [round(float((a >= k).float().mean()), 3) for k in range(1, ttt + 1)], "drafts": a.numel(),
+        "served": {f"K{k}": round(1 + sum(v) / len(v), 3) for k, v in rounds.items() if v}}
+
+
+def served_rounds(run: list[int], base: int, n: int, k: int) -> list[int]:
+    """Accepted drafts per round of a greedy chain K `k` over one answer, as a server runs it: a round at base
+    position i (the pending token at i + 1) accepts min(run[i], k) drafts and the next round starts after
+    them and the bonus token. Averaging per round, not per position, is what serving counters report
+    (positions inside an accepted run never start a round)."""
+    out = []
+    while base + 1 < n - 1:
+        a = min(run[base], k)
+        out.append(a)
+        base += a + 1
+    return out
 
 
 def init_draft(args, cfg_t, model, ids: torch.Tensor) -> tuple[TrainDraft, TrainDraft, torch.Tensor]:

@@ -47,15 +47,21 @@ def conversations(text: str):
         yield obj
 
 
+def well_formed(c) -> bool:
+    """A conversation in ShareGPT's form: {"id", "conversations": [{"from", "value": str}, ...]} (others skipped)."""
+    turns = c.get("conversations") if isinstance(c, dict) else None
+    return isinstance(turns, list) and all(isinstance(t, dict) and isinstance(t.get("value", ""), str) for t in turns)
+
+
 def first_turns(text: str, min_chars: int = 16, max_chars: int = 1500, ascii_share: float = 0.95):
     """(id, first user turn, second user turn or None) of each conversation start whose first turn passes."""
     def ok(p: str) -> bool:
         return min_chars <= len(p) <= max_chars and sum(ch.isascii() for ch in p) >= ascii_share * len(p)
 
     for c in conversations(text):
-        if not str(c.get("id", "")).endswith("_0"):  # (the "cleaned split" cut long chats: _1, _2 ... continue one)
-            continue
-        turns = [t.get("value", "").strip() for t in c.get("conversations", []) if t.get("from") == "human"]
+        if not well_formed(c) or not str(c.get("id", "")).endswith("_0"):  # (the "cleaned split" cut long
+            continue                                                         # chats: _1, _2 ... continue one)
+        turns = [t.get("value", "").strip() for t in c["conversations"] if t.get("from") == "human"]
         if turns and ok(turns[0]):
             yield c.get("id", ""), turns[0], turns[1] if len(turns) > 1 and ok(turns[1]) else None
 
@@ -94,6 +100,8 @@ def main(argv=None) -> int:
             rows.append({"prompt": p, "source": "sharegpt-v3", "id": cid, "split": "train"})
             if follow and unseen(norm_text(follow), excluded):
                 rows[-1]["followup"] = follow
+    if not rows:
+        ap.error(f"{args.wheel}: no conversation in ShareGPT's form with a usable first user turn in {MEMBER}")
     random.Random(args.seed).shuffle(rows)
     rows = rows[:args.limit] if args.limit else rows
     for r in rows[len(rows) - args.heldout:] if args.heldout else []:
