@@ -59,8 +59,8 @@ def first_turns(text: str, min_chars: int = 16, max_chars: int = 1500, ascii_sha
         return min_chars <= len(p) <= max_chars and sum(ch.isascii() for ch in p) >= ascii_share * len(p)
 
     for c in conversations(text):
-        if not well_formed(c) or not str(c.get("id", "")).endswith("_0"):  # (the "cleaned split" cut long
-            continue                                                         # chats: _1, _2 ... continue one)
+        if not well_formed(c) or not str(c.get("id", "")).endswith("_0"):
+            continue  # (malformed, or a continuation: the "cleaned split" cut long chats into _1, _2 ...)
         turns = [t.get("value", "").strip() for t in c["conversations"] if t.get("from") == "human"]
         if turns and ok(turns[0]):
             yield c.get("id", ""), turns[0], turns[1] if len(turns) > 1 and ok(turns[1]) else None
