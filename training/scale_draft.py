@@ -306,8 +306,13 @@ def collate(seqs: list[dict], ttt: int, device: str):
         for j in range(ttt):
             ok = (i + 2 + j < n) & (i >= P - 1)
             tgt[r, j, i[ok]] = s["tokens"][(i + 2 + j)[ok]]
-    start = max(0, min(s["P"] for s in seqs) - 1)
+    start = first_base(seqs)
     return tokens.to(device), tgt[..., start:].to(device), start
+
+
+def first_base(seqs: list[dict]) -> int:
+    """The first base position a batch's targets are kept from: the shortest prompt's last token."""
+    return max(0, min(s["P"] for s in seqs) - 1)
 
 
 def ttt_logits(draft, model, seqs, ttt: int, device: str, head: torch.Tensor | None = None):
@@ -345,9 +350,9 @@ def acceptance(draft, model, seqs, d2t: torch.Tensor, ttt: int, device: str) -> 
     lead, rounds = [], {k: [] for k in range(1, ttt + 1)}
     for b in batches(seqs, 16384, random.Random(0)):
         logits, tgt, _ = ttt_logits(draft, model, b, ttt, device)
-        start = max(len(s["tokens"]) for s in b) - tgt.shape[-1]  # (collate's first base position)
-        hit = torch.stack([(lg.float().argmax(-1) + d2t[lg.float().argmax(-1)]) == tgt[:, j]
-                           for j, lg in enumerate(logits)], dim=1)
+        start = first_base(b)
+        top = [lg.float().argmax(-1) for lg in logits]
+        hit = torch.stack([(t + d2t[t]) == tgt[:, j] for j, t in enumerate(top)], dim=1)
         valid = (tgt >= 0).all(dim=1)
         run = hit.long().cumprod(dim=1).sum(dim=1)
         lead.append(run[valid])
