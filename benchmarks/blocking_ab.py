@@ -35,6 +35,29 @@ from linear_layout import SMOLLM2, projection_shapes  # noqa: E402
 from spec_report import machine  # noqa: E402
 
 _PREFETCH = "                __builtin_prefetch(B + (k + {ahead}) * ldb + col * W, 0, 3);\n"
+NAMED = ("inductor", "next-tile")
+
+
+def forced_blocking(name: str) -> tuple[int, int] | None:
+    """BM x BN of a `BMxBN` variant, None for a named one."""
+    return None if name in NAMED else tuple(int(x) for x in name.split("x"))
+
+
+def variant_list(text: str) -> list[str]:
+    """--variants: names from NAMED or BMxBN, comma-separated (argparse's type: a bad one is one usage line, exit 2)."""
+    names = text.split(",")
+    for n in names:
+        parts = n.split("x")
+        if n not in NAMED and not (len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts)):
+            raise argparse.ArgumentTypeError(f"{n!r} is not a variant: inductor, next-tile or BMxBN (e.g. 8x8)")
+    return names
+
+
+def row_list(text: str) -> list[int]:
+    """--rows: positive token row counts, comma-separated."""
+    if not all(r.isdigit() and int(r) > 0 for r in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive row counts, comma-separated (e.g. 1,4,8)")
+    return [int(r) for r in text.split(",")]
 
 
 @contextlib.contextmanager
@@ -53,7 +76,7 @@ def variant(name: str):
             src = src.replace(line, line + "                __builtin_prefetch(B + (K + k) * ldb + col * W, 0, 2);\n")
             lowerings.tuned_kernel = lambda: src
         elif name != "inductor":
-            want = tuple(int(x) for x in name.split("x")) + (1,)
+            want = forced_blocking(name) + (1,)
             for c, v in shipped_configs.items():
                 cmg.micro_gemm_configs[c] = [x for x in v if tuple(x.register_blocking) == want or not (
                     x.input_dtype == x.input2_dtype == x.compute_dtype == torch.float32)]
@@ -67,14 +90,14 @@ def variant(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,4,5,8")
-    ap.add_argument("--variants", default="inductor,8x8")
+    ap.add_argument("--rows", type=row_list, default="1,4,5,8")
+    ap.add_argument("--variants", type=variant_list, default="inductor,8x8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--save-result", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows, names = [int(r) for r in args.rows.split(",")], args.variants.split(",")
+    rows, names = args.rows, args.variants
     layer, head = projection_shapes(SMOLLM2)
     torch.manual_seed(0)
     weights = [torch.rand(o, i) - 0.5 for o, i in layer + [head]]
@@ -84,7 +107,8 @@ def main() -> None:
         for v in names:
             with variant(v):
                 bn = lowerings.block_n(r, *weights[0].shape, args.threads)
-                if bn is None or (v not in ("inductor", "next-tile") and bn != int(v.split("x")[1])):
+                forced = forced_blocking(v)
+                if bn is None or (forced and bn != forced[1]):
                     print(f"rows {r} {v}: no such float32 blocking on this CPU, left out", file=sys.stderr)
                     continue
                 t0 = time.perf_counter()
