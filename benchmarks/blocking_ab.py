@@ -7,8 +7,9 @@ another of Inductor's blockings for this ISA, or a prefetch experiment, over the
 Variants:
   inductor    the form the build measures today (eagle3_build/backends/gemm.py `blocked_pass`): Inductor's
               register blocking for the shape, our tuned micro-kernel (lowerings.tuned_kernel)
-  BMxBN       the same kernel with Inductor's register blocking BM x BN forced (e.g. 8x8, 4x16 on AVX2: the
-              weight copy laid out for that block_n); left out where this ISA has no such float32 blocking
+  BMxBN       the same kernel with Inductor's register blocking BM x BN (e.g. 8x8, 4x16 on AVX2: the weight
+              copy laid out for that block_n, as the build's "blocked:8x8" form); left out where this ISA has no
+              such float32 blocking
   next-tile   Inductor's blocking, the micro-kernel also prefetching the next weight tile into L2
 
 Every projection of SmolLM2-135M (30 layers' q, k, v, o, gate, up, down and the lm_head; random float32 weights),
@@ -62,30 +63,20 @@ def row_list(text: str) -> list[int]:
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Inside: the blocked form compiles as `name` says."""
-    import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
-    import torch._inductor.codegen.cpp_micro_gemm as cmg
-
-    shipped_src, shipped_configs = lowerings.tuned_kernel, {c: list(v) for c, v in cmg.micro_gemm_configs.items()}
+    """Inside: the blocked form's micro-kernel is as `name` says (a BMxBN variant: the blocking its copies' block_n
+    names, as the build compiles it)."""
+    shipped_src = lowerings.tuned_kernel
     try:
         if name == "next-tile":
             src = lowerings.tuned_kernel()
-            line = _PREFETCH.format(ahead=lowerings.PREFETCH_K)
+            line = _PREFETCH.format(ahead=lowerings.AHEAD)
             if src is None or src.count(line) != 1:
                 raise SystemExit("next-tile: this torch's micro-kernel is not the one it edits")
             src = src.replace(line, line + "                __builtin_prefetch(B + (K + k) * ldb + col * W, 0, 2);\n")
             lowerings.tuned_kernel = lambda: src
-        elif name != "inductor":
-            want = forced_blocking(name) + (1,)
-            for c, v in shipped_configs.items():
-                cmg.micro_gemm_configs[c] = [x for x in v if tuple(x.register_blocking) == want or not (
-                    x.input_dtype == x.input2_dtype == x.compute_dtype == torch.float32)]
-        lowerings._micro_gemm.cache_clear()
         yield
     finally:
         lowerings.tuned_kernel = shipped_src
-        cmg.micro_gemm_configs.update(shipped_configs)
-        lowerings._micro_gemm.cache_clear()
 
 
 def main() -> None:
@@ -106,13 +97,13 @@ def main() -> None:
         xs = {w.shape[1]: torch.rand(r, w.shape[1]) for w in weights}
         for v in names:
             with variant(v):
-                bn = lowerings.block_n(r, *weights[0].shape, args.threads)
                 forced = forced_blocking(v)
-                if bn is None or (forced and bn != forced[1]):
+                bn = lowerings.block_n(r, *weights[0].shape, args.threads, forced)
+                if bn is None:
                     print(f"rows {r} {v}: no such float32 blocking on this CPU, left out", file=sys.stderr)
                     continue
                 t0 = time.perf_counter()
-                runs[(r, v)], block_ns[f"{r}:{v}"] = gemm.blocked_pass(weights, r, xs), bn
+                runs[(r, v)], block_ns[f"{r}:{v}"] = gemm.blocked_pass(weights, r, xs, forced), bn
             print(f"rows {r} {v} (block_n {bn}): compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     ms: dict = {k: [] for k in runs}
     with torch.inference_mode():

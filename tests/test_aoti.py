@@ -24,9 +24,19 @@ MAX_TOKENS = 32
 
 AOTI_RECIPE = {"buckets": {"prefill": [64]}}  # with K 1: 5 graphs per bundle (no draft_step: CI time)
 # aoti bundles at TP 1 / 2: a packing format named, where this host can build it (oneDNN's float32 path is the
-# draft's bfloat16 one below, and test_a_new_prefill_bucket_rekeys_its_own_graphs_only's)
+# draft's bfloat16 one below, and test_a_new_prefill_bucket_rekeys_its_own_graphs_only's; Inductor's template with
+# its own register blocking: test_a_bundle_built_for_avx2_runs_where_only_avx2_does's)
 PACKING = {1: "mkl_sgemm", 2: "blocked"}
 DRAFT_BF16 = {2: True}  # ... and at TP 2 the draft's projections in oneDNN bfloat16 (draft_bfloat16: true)
+
+
+def packing(tp: int) -> str:
+    """PACKING[tp]; Inductor's template with a register blocking named (this ISA's last: 8x8 on AVX2, 16x16 on
+    AVX-512) where it has one, to build the blocking a copy's block_n names rather than Inductor's choice."""
+    from eagle3_build.backends import gemm, lowerings
+
+    fmt = PACKING[tp]
+    return gemm.variant(fmt, lowerings.register_blockings()[-1]) if fmt == "blocked" and buildable(fmt) else fmt
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +46,10 @@ def world(tiny):
 
 def build(world, backend: str, tp: int):
     """The session's tiny pair (speculators, K 1) with one prefill bucket at TP `tp`, built by
-    `eagle3-build compile --backend BACKEND --jobs 2` (aoti: packing as PACKING names it)."""
+    `eagle3-build compile --backend BACKEND --jobs 2` (aoti: packing as `packing` names it)."""
     recipe = AOTI_RECIPE
     if backend == "aoti" and buildable(PACKING[tp]):
-        opts = {"pack_weights": PACKING[tp]} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and buildable(BF16)
+        opts = {"pack_weights": packing(tp)} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and buildable(BF16)
                                                else {})
         recipe = {**recipe, "backend": "aoti", "backend_options": opts}
     return world["tiny"].bundle(k=1, backend=backend, tp=tp, recipe=recipe, jobs=2, cli=True)
@@ -104,7 +114,7 @@ def test_aoti_tp2_under_torchrun(world):
     assert got["spec_decoding"]["num_accepted_tokens"] > 0
     if buildable(PACKING[2]):
         r = run_cli("eagle3-build", "inspect", str(aoti))
-        assert r.returncode == 0 and f"GEMM per token row count: 1 row {PACKING[2]}" in r.stdout, r.stdout[-2000:]
+        assert r.returncode == 0 and f"GEMM per token row count: 1 row {packing(2)}" in r.stdout, r.stdout[-2000:]
         if buildable(BF16):  # the draft's GEMMs in oneDNN's bfloat16: listed, and the output stays exact (above)
             assert "; draft: 1 row onednn_bf16" in r.stdout.replace("\n", " "), r.stdout[-2000:]
             # built for oneDNN-packed draft weights, run where none can be made: plain weights
@@ -160,20 +170,26 @@ def assert_packed_projections(m: dict) -> None:
     """float32 on CPU with the format named (PACKING): the projections of decode-sized graphs take their
     weight packed for their row count (made at load); prefill graphs only the last position's lm_head with
     MKL's format (and blocked), every projection with oneDNN's (one copy serves every row count); oneDNN's and
-    blocked also fuse q/k/v and gate/up into one copy each."""
+    blocked also fuse q/k/v and gate/up into one copy each. A blocked format named with its register blocking
+    ("blocked:8x8") lays every blocked copy out in that blocking's block_n."""
+    from eagle3_build.backends import gemm
+
     opts = m["recipe"]["backend_options"]
-    fmt = opts.get("pack_weights")
-    if fmt is None:
+    form = opts.get("pack_weights")
+    if form is None:
         return
-    draft_fmt = BF16 if opts.get("draft_bfloat16") is True else fmt
-    assert {r["choice"] for r in m["build"]["gemm"]["rows"].values()} == {fmt}
-    assert {r["choice"] for r in m["build"]["gemm"]["draft"]["rows"].values()} == {draft_fmt}
+    fmt, blocking = gemm.form_parts(form)
+    draft_form = BF16 if opts.get("draft_bfloat16") is True else form
+    assert {r["choice"] for r in m["build"]["gemm"]["rows"].values()} == {form}
+    assert {r["choice"] for r in m["build"]["gemm"]["draft"]["rows"].values()} == {draft_form}
     for g in m["graphs"]:
         rows = {p["rows"] for p in g["packed"]}
-        want = draft_fmt if g["role"].startswith("draft") else fmt
+        want = gemm.form_parts(draft_form)[0] if g["role"].startswith("draft") else fmt
         assert all(p["weight"] in g["weights"] and p["format"] == want for p in g["packed"]), g["name"]
         assert all(not p["fused"] for p in g["packed"]) or want in FUSED_FORMATS
         assert all((p["block_n"] is not None) == (p["format"] == "blocked") for p in g["packed"])
+        if blocking:
+            assert {p["block_n"] for p in g["packed"] if p["format"] == "blocked"} <= {blocking[1]}, g["name"]
         if g["role"].endswith("prefill") and want not in ONEDNN_FORMATS:
             assert [p["weight"].split("/")[1] for p in g["packed"]] in ([], ["lm_head.weight"]), g["name"]
             assert rows <= {1}
@@ -338,6 +354,7 @@ def test_pack_weights_option(monkeypatch, tmp_path):
     off with pack_weights: false (then the graph keys are those of an unpacked build), or one named
     format; anything else, or a format this torch cannot make, is refused."""
     from eagle3_build.backends import aoti as aoti_mod
+    from eagle3_build.backends import gemm, lowerings
     from eagle3_build.backends.aoti import AotiBackend
     from eagle3_build.errors import UserError
     from eagle3_runtime.packing import pack_available
@@ -363,6 +380,17 @@ def test_pack_weights_option(monkeypatch, tmp_path):
         assert set(AotiBackend({"pack_weights": "mkl_sgemm"}).pack_choice("float32", shapes, rows, None)["rows"]) == {"1", "4"}
     with pytest.raises(UserError, match="pack_weights"):
         AotiBackend({"pack_weights": "yes"})
+    if buildable("blocked"):  # Inductor's template with a register blocking of this ISA named, or refused
+        have = lowerings.register_blockings()
+        last = gemm.variant("blocked", have[-1])
+        named = AotiBackend({"pack_weights": last}).pack_choice("float32", shapes, rows, None)
+        assert {v["choice"] for v in named["rows"].values()} == {last} and set(named["rows"]) == {"1", "4"}
+        with pytest.raises(UserError, match="pack_weights blocked:5x5: Inductor has no such float32 register "
+                                            "blocking for cpu:") as e:
+            AotiBackend({"pack_weights": "blocked:5x5"})
+        assert last in str(e.value)
+        with pytest.raises(UserError, match="must be true .* or blocked:BMxBN"):
+            AotiBackend({"pack_weights": "blocked:8x"})
     # the draft's projections are measured apart; bfloat16 is a candidate only for a draft stored in it (auto)
     d_shapes = [(128, 32), (32, 96)]
     for stored_bf16 in (False, True):
@@ -409,6 +437,24 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     assert measured == [3] and {r: grown["rows"][r] for r in first["rows"]} == first["rows"]
     assert gemm.choose([(64, 32)] * 4, [3], formats, tmp_path)["rows"] == {"3": grown["rows"]["3"]}
     assert gemm.choices({"rows": {"1": {"choice": "plain"}, "8": {"choice": "onednn"}}}) == {8: "onednn"}
+    # Inductor's template at a row count its register blocking takes in two passes: the one-pass blocking too,
+    # after it in the order (within the margin the earlier wins); one that has no such blocking measures none
+    monkeypatch.setattr(gemm.lowerings, "one_pass_blocking", lambda rows: (8, 8) if rows <= 8 else None)
+    monkeypatch.setattr(gemm.lowerings, "blocking", lambda rows, n, k, threads: (4, 24))
+    assert gemm.blocked_variants([(64, 32)], 8) == ["blocked:8x8"] and gemm.blocked_variants([(64, 32)], 9) == []
+    measured = []
+    monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(forms) or
+                        {f: [2.0 if f == "blocked:8x8" else 3.0] for f in forms})
+    rec = gemm.choose([(64, 32)], [8], ["blocked"], None)
+    assert measured == [["plain", "blocked", "blocked:8x8"]] and rec["rows"]["8"]["choice"] == "blocked:8x8"
+    assert gemm.choices(rec) == {8: "blocked:8x8"} and gemm.form_parts("blocked:8x8") == ("blocked", (8, 8))
+    assert gemm.form_parts("onednn") == ("onednn", None)
+    assert gemm.pick({"plain": [3.0], "blocked": [2.0], "blocked:8x8": [1.97]}) == "blocked"
+    assert gemm.pick({"blocked:8x8": [1.5], "plain": [3.0], "blocked": [2.0]}) == "blocked:8x8"
+    monkeypatch.setattr(gemm.lowerings, "blocking", lambda rows, n, k, threads: (8, 8) if n == 64 else (4, 16))
+    assert gemm.blocked_variants([(64, 32)], 8) == []  # (Inductor's own choice already covers the rows)
+    assert gemm.blocked_variants([(64, 32), (48, 32)], 4) == []  # (... and covers them in one pass, if another way)
+    assert gemm.blocked_variants([(64, 32), (48, 32)], 8) == ["blocked:8x8"]
     monkeypatch.undo()  # Inductor's template failing to compile on a host: that form is left out, the rest measured
     monkeypatch.setattr(gemm, "blocked_pass", lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler")))
     assert set(gemm.time_forms([(64, 32)], 2, ["plain", "blocked"], repeats=1)) == {"plain"}

@@ -140,7 +140,8 @@ def test_one_onednn_copy_serves_every_row_count():
 def test_blocked_layout_is_inductors():
     """packing.block lays W.T out in [ceil(N / bn), K, bn] blocks, the last zero-padded; eagle3::blocked_linear
     run as is computes x @ W.T from it; compiled (aoti's lowering) it is Inductor's CPU GEMM template over the copy
-    as given, to float32 rounding, and a copy blocked otherwise than the template's micro-kernel is refused. The
+    as given, to float32 rounding, its micro-kernel the register blocking of the copy's block_n (Inductor's choice or
+    another of the ISA's; a block_n none has is refused). The
     micro-kernel as edited (lowerings.tuned_kernel) computes what Inductor's as shipped does, bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
@@ -163,11 +164,19 @@ def test_blocked_layout_is_inductors():
         # the micro-kernel prefetches its weight (this torch's kernel is the one the lowering edits); on x86 its
         # accumulators are raw registers, the same FMAs in the same order: the shipped kernel's result bit for bit
         code = "".join(code)
-        assert f"B + (k + {lowerings.PREFETCH_K}) * ldb" in code and "prefetch" in lowerings.kernel_tag()
+        assert f"B + (k + {lowerings.AHEAD}) * ldb" in code and "prefetch" in lowerings.kernel_tag()
         assert "vfma(va, vb[col]" in code and "register" in lowerings.kernel_tag()
-        other = next(n for n in (8, 16, 24, 32, 48) if n != bn)
-        with pytest.raises(Exception, match=f"blocked weight copy of block_n {other}"):
-            torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, block(w, other))
+        # a copy of another block_n of this ISA's: that register blocking's micro-kernel; a block_n none has: refused
+        other = next(b for b in lowerings.register_blockings() if b[1] != bn)
+        torch._dynamo.reset()
+        y, code = run_and_get_code(torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False), x,
+                                   block(w, other[1]))
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+        assert f"Mr = {other[0]};" in "".join(code) and f"Nr = {other[1]};" in "".join(code)
+        assert f"Nr = {bn};" not in "".join(code)
+        missing = next(n for n in (8, 16, 24, 32, 48) if n not in {b[1] for b in lowerings.register_blockings()})
+        with pytest.raises(Exception, match=f"blocked weight copy of block_n {missing}: no float32 micro-kernel"):
+            torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, block(w, missing))
     simd = {"AVX512": [512, 256], "AVX2": [256]}.get(torch.backends.cpu.get_cpu_capability(), [])
     compile_ = lambda x, c: torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, c)  # noqa: E731
     for width in simd:  # (x86: the AVX-512 and AVX2 kernels, as edited and as shipped)

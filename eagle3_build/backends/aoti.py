@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -64,12 +65,21 @@ class AotiBackend(PerGraphBackend):
         self.cpu_isa = self._cpu_isa(cpu_isa) if self.device == "cpu" else None  # (None: Inductor's own flags)
         self.inductor_configs = dict(opts.pop("inductor_configs", {}) or {})
         self.pack_weights = opts.pop("pack_weights", True)
-        if not (isinstance(self.pack_weights, bool) or self.pack_weights in PACK_FORMATS):
+        if not (isinstance(self.pack_weights, bool) or self.pack_weights in PACK_FORMATS
+                or (isinstance(self.pack_weights, str) and re.fullmatch(rf"{BLOCKED}:\d+x\d+", self.pack_weights))):
             raise UserError(f"backend_options.pack_weights {self.pack_weights!r}: must be true (the fastest packing "
-                            f"per row count, measured on this host), false, or one of {', '.join(PACK_FORMATS)}")
-        if isinstance(self.pack_weights, str) and not buildable(self.pack_weights):
+                            f"per row count, measured on this host), false, one of {', '.join(PACK_FORMATS)}, or "
+                            f"{BLOCKED}:BMxBN (Inductor's template with that register blocking, e.g. {BLOCKED}:8x8)")
+        if isinstance(self.pack_weights, str) and not buildable(gemm.form_parts(self.pack_weights)[0]):
             raise UserError(f"backend_options.pack_weights {self.pack_weights}: this torch cannot make such packed "
                             "weights; use true (the fastest available, measured) or false")
+        if isinstance(self.pack_weights, str) and gemm.form_parts(self.pack_weights)[1] is not None:
+            with self.codegen():
+                have = lowerings.register_blockings()
+            if gemm.form_parts(self.pack_weights)[1] not in have:
+                raise UserError(f"backend_options.pack_weights {self.pack_weights}: Inductor has no such float32 "
+                                f"register blocking for {self.target()}; name one of "
+                                f"{', '.join(gemm.variant(BLOCKED, b) for b in have)}, or {BLOCKED} (its own choice)")
         self.draft_bfloat16 = opts.pop("draft_bfloat16", "auto")
         if self.draft_bfloat16 not in ("auto", True, False):
             raise UserError(f"backend_options.draft_bfloat16 {self.draft_bfloat16!r}: must be auto (a candidate GEMM "

@@ -1,17 +1,18 @@
 """Which GEMM the float32 projections of CPU graphs take, chosen by measurement on this host.
 
-For every token row count the graphs' projections use (decode-sized ones, and prefill chunks where a format
-serves them: forms_for), the forms this torch offers are timed side by side over the target's own
-projection shapes (rank-local, as many weights as fit in MAX_BYTES, so they stream from memory as they do
-when served): "plain" (what linear does unpacked: a weight-stationary mm up to SMALL_ROWS rows, F.linear
-beyond) and each packing of eagle3_runtime.packing that can be made
-here (MKL's sgemm pack, oneDNN's blocked layout, Inductor's CPU GEMM template over its own blocked layout,
-compiled here as the graphs compile it; for a draft stored in bfloat16, oneDNN's bfloat16 GEMM too, measured
-over the draft's own shapes). The fastest wins unless it beats the form before it in
-FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache key), and it
-must win in each of ROUNDS rounds timed one after the other (a close call that one round gives a later form and
-the next round an earlier one goes to the earlier form: this host's memory bandwidth drifts by the second, and a
-bandwidth-bound form feels it more than a compute-bound one).
+For every token row count the graphs' projections use (decode-sized ones, and prefill chunks where a format serves
+them: forms_for), the forms this torch offers are timed side by side over the target's own projection shapes
+(rank-local, as many weights as fit in MAX_BYTES, so they stream from memory as they do when served): "plain" (what
+linear does unpacked: a weight-stationary mm up to SMALL_ROWS rows, F.linear beyond) and each packing of
+eagle3_runtime.packing that can be made here (MKL's sgemm pack, oneDNN's blocked layout, Inductor's CPU GEMM
+template over its own blocked layout, compiled here as the graphs compile it, with Inductor's register blocking and,
+where that takes two passes over the rows, also with the blocking that takes one ("blocked:8x8":
+lowerings.one_pass_blocking); for a draft stored in bfloat16, oneDNN's bfloat16 GEMM too, measured over the draft's
+own shapes). The fastest wins unless it beats the form before it in FORMS by less than MARGIN (noise must not flip a
+choice, which would change every graph's cache key), and it must win in each of ROUNDS rounds timed one after the
+other (a close call that one round gives a later form and the next round an earlier one goes to the earlier form:
+this host's memory bandwidth drifts by the second, and a bandwidth-bound form feels it more than a compute-bound
+one).
 
 Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch and
 shapes, per row count, so a host measures each once; the manifest's build record keeps it (`inspect` prints
@@ -64,6 +65,26 @@ def fit(shapes: list[tuple[int, int]], max_bytes: int = MAX_BYTES) -> list[tuple
     return [s for s, n in counts.items() for _ in range(max(1, int(n * scale)))]
 
 
+def variant(fmt: str, blocking: tuple[int, int]) -> str:
+    """The form name of `fmt` compiled with register blocking (block_m, block_n): "blocked:8x8"."""
+    return f"{fmt}:{blocking[0]}x{blocking[1]}"
+
+
+def form_parts(form: str) -> tuple[str, tuple[int, int] | None]:
+    """A form name -> (its packing format, its register blocking or None for Inductor's choice)."""
+    fmt, _, blocking = form.partition(":")
+    return fmt, (tuple(int(x) for x in blocking.split("x")) if blocking else None)
+
+
+def blocked_variants(shapes: list[tuple[int, int]], rows: int) -> list[str]:
+    """The blocked form's other candidate at a row count: the one-pass register blocking, where Inductor's choice
+    for one of the shapes takes more than one pass over the rows."""
+    one = lowerings.one_pass_blocking(rows)
+    threads = torch.get_num_threads()
+    theirs = {lowerings.blocking(rows, o, i, threads) for o, i in set(shapes)}
+    return [variant(BLOCKED, one)] if one and any(b and b[0] < rows for b in theirs) else []
+
+
 def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repeats: int = REPEATS,
                weights: list[torch.Tensor] | None = None, rounds: int = 1) -> dict[str, list[float]]:
     """Per form, the median ms of one pass of x @ W.T over every shape, x of `rows` rows, in each of `rounds`
@@ -83,9 +104,9 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
                 calls[form] = each([(lambda x, w=w: linear(x, w)) for w in weights])
             elif form == F_LINEAR:
                 calls[form] = each([(lambda x, w=w: F.linear(x, w)) for w in weights])
-            elif form == BLOCKED:
+            elif form_parts(form)[0] == BLOCKED:
                 try:
-                    calls[form] = blocked_pass(weights, rows, xs)
+                    calls[form] = blocked_pass(weights, rows, xs, form_parts(form)[1])
                 except Exception:  # (Inductor could not generate it here: not a candidate, as where it has no ISA)
                     continue
             else:
@@ -102,13 +123,18 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
             for f, v in ms.items()}
 
 
-def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor]):
-    """One pass of x @ W.T over `weights` in the blocked format, compiled now as the aoti backend compiles a graph
-    (one AOTInductor package, the template per GEMM, in a private directory removed after): a callable."""
+def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor],
+                 blocking: tuple[int, int] | None = None):
+    """One pass of x @ W.T over `weights` in the blocked format (register blocking: Inductor's, or `blocking`),
+    compiled now as the aoti backend compiles a graph (one AOTInductor package, the template per GEMM, in a private
+    directory removed after): a callable."""
     import torch._inductor.config
 
     threads = torch.get_num_threads()
-    copies = tuple(pack_weight(w, rows, BLOCKED, lowerings.block_n(rows, *w.shape, threads)) for w in weights)
+    block_ns = [lowerings.block_n(rows, *w.shape, threads, blocking) for w in weights]
+    if None in block_ns:
+        raise RuntimeError(f"no float32 register blocking {blocking} here")
+    copies = tuple(pack_weight(w, rows, BLOCKED, bn) for w, bn in zip(weights, block_ns))
     widths, ks = [w.shape[0] for w in weights], sorted(xs)
 
     class Pass(nn.Module):
@@ -128,8 +154,9 @@ def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Ten
 
 def pick(ms: dict[str, list[float]]) -> str:
     """The fastest form of every round (ms: per form, one median per round), unless an earlier one in FORMS is
-    within MARGIN of it; where the rounds disagree, the earliest in FORMS of their choices."""
-    order = [f for f in FORMS if f in ms]
+    within MARGIN of it; where the rounds disagree, the earliest in FORMS of their choices (a format's other
+    blockings after it)."""
+    order = sorted(ms, key=lambda f: (FORMS.index(form_parts(f)[0]), f))
     picks = set()
     for i in range(min(len(ms[f]) for f in order)):
         best = min(order, key=lambda f: ms[f][i])
@@ -155,7 +182,9 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
              "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats],
              "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
-             "repeats": REPEATS, "rounds": ROUNDS, "blocked_kernel": lowerings.kernel_tag() if BLOCKED in formats else None}
+             "repeats": REPEATS, "rounds": ROUNDS}
+    if BLOCKED in formats:
+        ident |= {"blocked_kernel": lowerings.kernel_tag(), "blockings": "inductor's, one-pass"}
     if torch._inductor.config.cpp.simdlen:  # (what the aoti backend compiles blocked forms for: its codegen())
         ident["code"] = [torch._inductor.config.cpp.simdlen, torch._inductor.config.cpp.march]
     out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "rows": {}}
@@ -171,6 +200,7 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if missing and formats else []
     for r in missing:
         forms = forms_for(r, formats)
+        forms += blocked_variants(shapes, r) if BLOCKED in forms else []
         ms = time_forms(shapes, r, forms, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights, rounds=ROUNDS) \
             if len(forms) > 1 else {PLAIN: [0.0]}
         known[str(r)] = {"choice": pick(ms), "ms": ms}
@@ -188,7 +218,8 @@ def named(fmt: str, rows: list[int]) -> dict:
 
 
 def choices(record: dict | None) -> dict[int, str]:
-    """Row count -> packing format of a `choose` record (row counts left plain are absent)."""
+    """Row count -> form of a `choose` record (a packing format, or a format with its blocking: form_parts); row
+    counts left plain are absent."""
     if not record:
         return {}
     return {int(r): v["choice"] for r, v in record["rows"].items() if v["choice"] != PLAIN}

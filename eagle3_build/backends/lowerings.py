@@ -5,16 +5,17 @@ pass makes one); bundle weights and their packed copies are graph inputs, so `pa
 them itself.
 
 The blocked format is Inductor's own CPU GEMM template: a GEMM generated for the CPU it compiles on (a
-register-blocked micro-kernel for its vector ISA, threads partitioned over output blocks), which Inductor too
-offers only for a constant weight, re-laid out at compile time. Here the runtime makes that layout at load
-(`packing.block`), the graph calls `eagle3::blocked_linear` on it, and that call is lowered to the template with
-the copy as its weight operand. The copy's block_n must be the one the template's micro-kernel takes for the
-GEMM's shape: `block_n` asks Inductor the same question before tracing, and the lowering refuses a copy laid out
-otherwise. Inductor's float32 micro-kernel issues no software prefetch (it has one for int8 weights only); at 4-8
-rows its FMAs then keep the core's loads from running far enough ahead to stream the weight, so the template
-compiled here prefetches each weight block PREFETCH_K k steps ahead; and since GCC keeps the kernel's array of
-Vectorized accumulators on the stack (a store per FMA), on x86 it runs the same FMAs on raw vector registers
-(`tuned_kernel`).
+register-blocked micro-kernel for its vector ISA, threads partitioned over output blocks), which Inductor too offers
+only for a constant weight, re-laid out at compile time. Here the runtime makes that layout at load
+(`packing.block`), the graph calls `eagle3::blocked_linear` on it, and that call is lowered to the template with the
+copy as its weight operand, its micro-kernel the register blocking of the copy's block_n (Inductor's float32
+blockings for an ISA differ in block_n): Inductor's own choice for the GEMM's shape (`block_n` asks it the same
+question before tracing), or another the build measured faster at that row count (`one_pass_blocking`); the lowering
+refuses a block_n no blocking of this ISA has. Inductor's float32 micro-kernel issues no software prefetch (it has
+one for int8 weights only); at 4-8 rows its FMAs then keep the core's loads from running far enough ahead to stream
+the weight, so the template compiled here prefetches each weight block PREFETCH_BYTES ahead; and since GCC keeps
+the kernel's array of Vectorized accumulators on the stack (a store per FMA), on x86 it runs the same FMAs on raw
+vector registers (`tuned_kernel`).
 
 Two edits only make compiling cheaper, the code generated for the kernels unchanged: each template source is
 parsed once (`_parsed_once`), and AOTI's per-input debugging checks are not written (`lean_wrapper`).
@@ -30,8 +31,11 @@ import torch
 from eagle3_runtime import packing  # noqa: F401  (registers eagle3::blocked_linear)
 
 DTYPE = torch.float32
-# k steps of the weight block the micro-kernel prefetches ahead (2-3 KB at block_n 32-48; measured in docs/linear-layout.md)
-PREFETCH_K = 16
+# how far ahead of its loads the micro-kernel prefetches the weight: bytes, whatever the block_n (a k step is block_n
+# floats: 16 steps at AVX-512's 48, 96 at AVX2's 8). docs/linear-layout.md: on a Xeon at block_n 48, 3 KB best; on a
+# Zen 3 at block_n 8, 1.5-3.75 KB alike and 512 B (16 steps) 14% slower at 8 rows
+PREFETCH_BYTES = 3072
+AHEAD = f"({PREFETCH_BYTES} / (BLOCK_N * 4))"  # (k steps, in the kernel's C++: BLOCK_N is its template parameter)
 _WEIGHT_LOAD = ("            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
                 "        {%- endif %}\n    {%- endif %}")  # (the float32 weight's load, full block_n)
 _VECTORIZED = "    using Vectorized = at::vec::Vectorized<{{compute_t}}>;\n"  # (the kernel body's first line)
@@ -92,7 +96,7 @@ _REGISTERS = """{%- if not trans_b and not tail_n and alpha == 1 and input_dtype
 
 @functools.lru_cache(maxsize=None)
 def tuned_kernel() -> str | None:
-    """Inductor's float32 micro-kernel source with a prefetch of the weight PREFETCH_K k steps ahead of each load
+    """Inductor's float32 micro-kernel source with a prefetch of the weight PREFETCH_BYTES ahead of each load
     (__builtin_prefetch: x86 and ARM) and, on x86, its accumulators in registers (_REGISTERS); None where this torch's
     micro-kernel is not the one this edits (then the template is compiled as Inductor ships it)."""
     import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
@@ -101,14 +105,14 @@ def tuned_kernel() -> str | None:
     src = CppMicroGemmFP32Vec.TEMPLATE_KERNEL
     if src.count(_WEIGHT_LOAD) != 1 or src.count(_VECTORIZED) != 1:
         return None
-    ahead = f"            __builtin_prefetch(B + (k + {PREFETCH_K}) * ldb + col * VLEN, 0, 3);\n"
+    ahead = f"            __builtin_prefetch(B + (k + {AHEAD}) * ldb + col * VLEN, 0, 3);\n"
     src = src.replace(_WEIGHT_LOAD, ahead + _WEIGHT_LOAD)
-    return src.replace(_VECTORIZED, _VECTORIZED + _REGISTERS.replace("AHEAD", str(PREFETCH_K)))
+    return src.replace(_VECTORIZED, _VECTORIZED + _REGISTERS.replace("AHEAD", AHEAD))
 
 
 def kernel_tag() -> str:
     """What the blocked format's graphs are compiled with (in the graphs' cache keys and the GEMM measurement's)."""
-    return (f"inductor fp32 micro-kernel, prefetch {PREFETCH_K}, x86 register accumulators" if tuned_kernel()
+    return (f"inductor fp32 micro-kernel, prefetch {PREFETCH_BYTES} bytes, x86 register accumulators" if tuned_kernel()
             else "inductor fp32 micro-kernel")
 
 
@@ -127,13 +131,63 @@ def _micro_gemm(rows: int, n: int, k: int, threads: int, simdlen: int | None):
                                  compute_dtype=DTYPE, num_threads=threads, use_ref=False)
 
 
-def block_n(rows: int, n: int, k: int, threads: int) -> int | None:
-    """The block_n of the micro-kernel Inductor's template takes for a float32 (rows x k) @ (k x n) on `threads`
-    threads on this CPU, or None where it has no vectorised one (then the blocked format is not offered)."""
+def _fp32(config) -> bool:
+    return config.input_dtype == config.input2_dtype == config.compute_dtype == DTYPE
+
+
+def register_blockings() -> list[tuple[int, int]]:
+    """(block_m, block_n) of each float32 micro-kernel Inductor has for the vector ISA it compiles for here."""
+    import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
+    from torch._inductor.codegen.cpp_micro_gemm import micro_gemm_configs
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return [(c.register_blocking.block_m, c.register_blocking.block_n) for configs in micro_gemm_configs.values()
+            for c in configs if _fp32(c) and c.register_blocking.block_k == 1 and isinstance(isa, c.vec_isa_cls)]
+
+
+def one_pass_blocking(rows: int) -> tuple[int, int] | None:
+    """The float32 register blocking of this ISA that covers `rows` token rows in one pass (block_m >= rows) with the
+    largest register block (Inductor's own size rank), or None. Where Inductor's choice for a shape takes two passes
+    (AVX2's 4 x 24 at 5-8 rows) each weight tile's second pass of FMAs runs after its load, not beside it: the build
+    measures this one beside it (gemm.choose)."""
+    fits = [b for b in register_blockings() if b[0] >= rows]
+    return max(fits, key=lambda b: b[0] * b[1] + b[0] + b[1]) if fits else None
+
+
+def blocking(rows: int, n: int, k: int, threads: int) -> tuple[int, int] | None:
+    """(block_m, block_n) of the micro-kernel Inductor's template takes for a float32 (rows x k) @ (k x n) on
+    `threads` threads on this CPU, or None where it has no vectorised one (then the blocked format is not offered)."""
     import torch._inductor.config
 
     mg = _micro_gemm(rows, n, k, threads, torch._inductor.config.cpp.simdlen)
-    return None if mg is None else mg.register_blocking.block_n
+    return None if mg is None else (mg.register_blocking.block_m, mg.register_blocking.block_n)
+
+
+def block_n(rows: int, n: int, k: int, threads: int, forced: tuple[int, int] | None = None) -> int | None:
+    """The block_n of a blocked copy for a float32 (rows x k) @ (k x n): Inductor's choice (`blocking`), or the
+    `forced` blocking's where this ISA has it (None where not)."""
+    if forced is not None:
+        return forced[1] if tuple(forced) in register_blockings() else None
+    b = blocking(rows, n, k, threads)
+    return None if b is None else b[1]
+
+
+@contextlib.contextmanager
+def only_block_n(bn: int):
+    """Inside: Inductor's float32 micro-kernels are those of block_n `bn` (at most one per ISA)."""
+    import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
+    from torch._inductor.codegen import cpp_micro_gemm as cmg
+
+    shipped = {c: list(v) for c, v in cmg.micro_gemm_configs.items()}
+    for c, v in shipped.items():
+        cmg.micro_gemm_configs[c] = [x for x in v if not _fp32(x) or x.register_blocking.block_n == bn]
+    _micro_gemm.cache_clear()
+    try:
+        yield
+    finally:
+        cmg.micro_gemm_configs.update(shipped)
+        _micro_gemm.cache_clear()
 
 
 def available() -> bool:
@@ -204,12 +258,16 @@ def _blocked_linear(x, w, n, threads):
         @classmethod
         def prep_weight(cls, inputs, layout_, micro_gemm, should_block_weight, *args, **kwargs):
             if micro_gemm.register_blocking.block_n != bn:
-                raise RuntimeError(f"blocked weight copy of block_n {bn}, Inductor's micro-kernel for "
-                                   f"({m} x {k}) @ ({k} x {n}) takes {micro_gemm.register_blocking.block_n}")
+                raise RuntimeError(f"blocked weight copy of block_n {bn}: no float32 micro-kernel of Inductor's for "
+                                   f"this CPU's ISA has it ({register_blockings()}); rebuild the bundle on this host")
             return [inputs[0], w, *inputs[2:]], layout_
 
+        def get_options(self, *args, **kwargs):  # (render's: makes the micro-kernel it generates)
+            with only_block_n(bn):
+                return super().get_options(*args, **kwargs)
+
     choices: list = []
-    with config.patch({"cpp.threads": int(threads)}):
+    with config.patch({"cpp.threads": int(threads)}), only_block_n(bn):
         Preblocked.add_choices(choices, layout, [x, stand_in])
     if len(choices) != 1:
         raise RuntimeError(f"Inductor's CPU GEMM template made {len(choices)} choices for eagle3::blocked_linear")

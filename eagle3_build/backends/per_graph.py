@@ -88,7 +88,7 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
         model, rows = bm.models[spec.model][0], graph_rows(pair, spec)
         pack = {r: f for r, f in packs[spec.model].items() if r in rows}
         fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {}),
-                  **({"gemm_threads": threads} if BLOCKED in pack.values() else {})}
+                  **({"gemm_threads": threads} if BLOCKED in {gemm.form_parts(f)[0] for f in pack.values()} else {})}
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
         ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
@@ -118,12 +118,13 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
                                f"graph_rows says {sorted(rows)}")
         packed = []
         if pack:  # the projections that packing serves take their packed copy as an extra input
-            module.packed = [(group, rows, pack[rows]) for idx, rows in module.packable if rows in pack
-                             for group in ([idx] if pack[rows] in FUSED_FORMATS else [(i,) for i in idx])]
+            forms = {r: gemm.form_parts(f) for r, f in pack.items()}  # rows -> (format, register blocking)
+            module.packed = [(group, rows, forms[rows][0]) for idx, rows in module.packable if rows in pack
+                             for group in ([idx] if forms[rows][0] in FUSED_FORMATS else [(i,) for i in idx])]
             module.packable, module.gemm_threads = None, threads
             shapes = [(sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]) for idx, _, _ in module.packed]
             with backend.codegen():  # (the micro-kernel of the ISA the graph is compiled for)
-                blocks = [lowerings.block_n(rows, *shape, threads) if fmt == BLOCKED else None
+                blocks = [lowerings.block_n(rows, *shape, threads, forms[rows][1]) if fmt == BLOCKED else None
                           for shape, (_, rows, fmt) in zip(shapes, module.packed)]
             weights += tuple(packed_example(shape, rows, fmt, bn)
                              for shape, (_, rows, fmt), bn in zip(shapes, module.packed, blocks))
