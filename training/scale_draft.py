@@ -286,12 +286,14 @@ def choose_vocab(train: list[dict], held: list[dict], vocab: int, coverage_goal:
 # ----------------------------------------------------------------------------- 4./5. TTT on the fly
 
 @torch.no_grad()
-def target_states(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_states(model, tokens: torch.Tensor, amp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """aux [B,T,3H]: the residual stream entering target layers AUX_LAYER_IDS, and the final normed
-    hidden state [B,T,H] (right padding needs no mask)."""
-    with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+    hidden state [B,T,H] (right padding needs no mask). amp: in bfloat16 autocast (float32 otherwise: a
+    CPU without bfloat16 instructions runs it many times faster)."""
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=amp):
         out = model.model(input_ids=tokens, output_hidden_states=True)
-    return torch.cat([out.hidden_states[k] for k in AUX_LAYER_IDS], dim=-1).to(torch.bfloat16), out.last_hidden_state
+    aux = torch.cat([out.hidden_states[k] for k in AUX_LAYER_IDS], dim=-1)
+    return (aux.to(torch.bfloat16) if amp else aux), out.last_hidden_state
 
 
 def collate(seqs: list[dict], ttt: int, device: str):
@@ -315,13 +317,13 @@ def first_base(seqs: list[dict]) -> int:
     return max(0, min(s["P"] for s in seqs) - 1)
 
 
-def ttt_logits(draft, model, seqs, ttt: int, device: str, head: torch.Tensor | None = None):
+def ttt_logits(draft, model, seqs, ttt: int, device: str, head: torch.Tensor | None = None, amp: bool = True):
     """The draft's logits per TTT step, the target ids they predict and, given `head` (the target's lm_head
     rows of the draft vocabulary), the target's logits over that vocabulary at base positions start+1..T-1:
     step j at base position i predicts what the target predicted at i+1+j."""
     tokens, tgt, start = collate(seqs, ttt, device)
-    aux, last = target_states(model, tokens)
-    with torch.autocast(device, dtype=torch.bfloat16):
+    aux, last = target_states(model, tokens, amp)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
         teacher = last[:, start + 1:] @ head.to(last.dtype).T if head is not None else None
         return draft.forward_ttt(aux, tokens, ttt, start), tgt, teacher
 
@@ -381,15 +383,21 @@ def served_rounds(run: list[int], base: int, n: int, k: int) -> list[int]:
     return out
 
 
-def init_draft(args, cfg_t, model, ids: torch.Tensor) -> tuple[TrainDraft, TrainDraft, torch.Tensor]:
-    """From --init-from (rows of the new vocab it shares copied, the rest from the target's tied embedding)."""
+def load_draft(path: Path, model) -> tuple[TrainDraft, torch.Tensor, dict]:
+    """A saved speculators draft as a TrainDraft on the target's embedding, its d2t and its config."""
     embed = model.model.embed_tokens.weight.detach().float().cpu()
     theta = float(model.config.rope_parameters["rope_theta"]) if getattr(model.config, "rope_parameters", None) \
         else float(getattr(model.config, "rope_theta", 10000.0))
-    sd = load_weights(Path(args.init_from))
-    cfg = json.loads((Path(args.init_from) / "config.json").read_text())
-    old = _draft_from_saved(sd, cfg_t, embed, theta, cfg)
-    old_ids = torch.arange(sd["d2t"].numel()) + sd["d2t"]
+    sd = load_weights(Path(path))
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return _draft_from_saved(sd, model.config.to_dict(), embed, theta, cfg), sd["d2t"], cfg
+
+
+def init_draft(args, cfg_t, model, ids: torch.Tensor) -> tuple[TrainDraft, TrainDraft, torch.Tensor]:
+    """From --init-from (rows of the new vocab it shares copied, the rest from the target's tied embedding)."""
+    old, old_d2t, cfg = load_draft(args.init_from, model)
+    embed, theta = old.embed, old.rope_theta
+    old_ids = torch.arange(old_d2t.numel()) + old_d2t
     new = TrainDraft(cfg_t["hidden_size"], cfg_t["intermediate_size"], cfg_t["num_attention_heads"],
                      cfg_t["num_key_value_heads"], cfg_t["head_dim"], cfg_t["rms_norm_eps"], ids.numel(), theta,
                      embed, norm_before_residual=cfg["norm_before_residual"], fc_norm=old.fc_norm is not None)
