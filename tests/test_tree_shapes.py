@@ -31,7 +31,7 @@ def test_fit_takes_the_most_frequent_prefixes_and_is_a_valid_static_tree():
     static_tree(tree)  # prefix-closed: the runtime's own check passes
     # at most 2 deep: (1,) and (1, 0) tie at 2, the shallower first
     assert ts.fit_tree(counts, nodes=5, max_depth=2) == [[0], [1], [0, 0], [0, 1]]
-    assert ts.width(tree) == 1 and ts.width([[0], [1], [0, 0], [1, 0]]) == 2
+    assert static_tree(tree).width == 1 and static_tree([[0], [1], [0, 0], [1, 0]]).width == 2
 
 
 def test_acceptance_is_the_longest_path_of_the_tree_per_position_and_per_round():

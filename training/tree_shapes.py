@@ -140,12 +140,6 @@ def score(rk: list[torch.Tensor], seqs: list[dict], tree: list[list[int]]) -> di
             "served": round(1 + sum(rounds) / max(1, len(rounds)), 3), "rounds": len(rounds)}
 
 
-def width(tree: list[list[int]]) -> int:
-    """Nodes a draft step expands at most (manifest.static_tree's width)."""
-    parents = Counter(len(p) for p in {tuple(c[:-1]) for c in tree if len(c) > 1})
-    return max(parents.values(), default=1)
-
-
 def counts_of(flag: str, low: int, one: bool = False):
     """argparse type: a comma-separated list of integers >= low (one integer with one=True)."""
     want = f"{'one integer' if one else 'integers, e.g. 8,12,'} >= {low}"
@@ -211,8 +205,9 @@ def main(argv=None) -> int:
     report = {"draft": str(args.draft), "tune": f"{args.pool} (held-out slice)", "tune_positions": n_pos,
               "max_rank": args.max_rank, "max_tokens": args.max_tokens, "shapes": {}}
     for tag, tree in shapes.items():
-        row = {"nodes": len(tree) + 1, "depth": max(len(p) for p in tree), "width": width(tree), "choices": tree,
-               "tag": tag if tag.startswith("chain") else static_tree(tree).tag}  # the runtime's (--speculation)
+        spec = static_tree(tree)  # the runtime's shape of these paths
+        row = {"nodes": spec.num_nodes, "depth": spec.depth, "width": spec.width, "choices": tree,
+               "tag": tag if tag.startswith("chain") else spec.tag}  # what --speculation names it
         row |= {n: score(rk[n], seqs[n], tree) for n in names}
         report["shapes"][tag] = row
         log(f"{tag:12s} W {row['width']} " + "  ".join(f"{n} {row[n]['teacher_forced']:.3f}/{row[n]['served']:.3f}"
