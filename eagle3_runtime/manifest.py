@@ -507,7 +507,9 @@ class FileEntry(_Strict):
 # every row count (eagle3_runtime.packing)
 ONEDNN_FORMATS = ("onednn", "onednn_bf16")
 BLOCKED = "blocked"  # Inductor's CPU GEMM template's weight layout: also fuses, one copy per block_n
-FUSED_FORMATS = (*ONEDNN_FORMATS, BLOCKED)
+BLOCKED_BF16 = "blocked_bf16"  # the same layout in bfloat16 (draft projections only)
+BLOCKED_FORMATS = (BLOCKED, BLOCKED_BF16)
+FUSED_FORMATS = (*ONEDNN_FORMATS, *BLOCKED_FORMATS)
 
 
 class PackedWeight(_Strict):
@@ -516,13 +518,13 @@ class PackedWeight(_Strict):
     # more of them, concatenated after `weight` along the output dim into one copy (FUSED_FORMATS only)
     fused: Capped(list[str], 8) = []
     rows: Count  # the GEMM row count the packing is for
-    format: Literal["mkl_sgemm", "onednn", "onednn_bf16", "blocked"]  # (packing.FORMATS)
-    block_n: Annotated[int, Field(ge=1, le=1024)] | None = None  # the blocked format's (and only its)
+    format: Literal["mkl_sgemm", "onednn", "onednn_bf16", "blocked", "blocked_bf16"]  # (packing.FORMATS)
+    block_n: Annotated[int, Field(ge=1, le=1024)] | None = None  # the blocked formats' (and only theirs)
 
     @model_validator(mode="after")
     def _block_n(self):
-        if (self.format == BLOCKED) != (self.block_n is not None):
-            raise ValueError(f"packed weight {self.weight!r}: block_n goes with the blocked format and only with it")
+        if (self.format in BLOCKED_FORMATS) != (self.block_n is not None):
+            raise ValueError(f"packed weight {self.weight!r}: block_n goes with the blocked formats and only with them")
         return self
 
 

@@ -23,6 +23,10 @@ token row count by measurement (eagle3_build/backends/gemm.py):
              native bf16 dot products where the CPU has them (AVX512_BF16, AMX). A draft's numerics only
              choose what is proposed (verification keeps the output exact), and a draft stored in bfloat16
              loses nothing of its weights; the build offers it only there (backends/gemm.py)
+  blocked_bf16  (draft projections only) the blocked layout in bfloat16, x rounded to bfloat16, products
+             summed in float32 by Inductor's template (its bfloat16 micro-kernel widens both operands): the
+             half-size draft weights on any CPU Inductor has a vector ISA for, AVX2 included (oneDNN has no
+             bfloat16 GEMM there)
 
 Projections of one input (q, k, v; gate, up) take, in oneDNN's formats and blocked, one copy of their weights
 concatenated along the output dim (PackedWeight.fused: one GEMM instead of three, as vLLM fuses them).
@@ -36,12 +40,14 @@ from pathlib import Path
 
 import torch
 
-from .manifest import BLOCKED, ONEDNN_FORMATS, BundleError, PackedWeight
+from .manifest import BLOCKED, BLOCKED_BF16, BLOCKED_FORMATS, ONEDNN_FORMATS, BundleError, PackedWeight
 
 PACK_FORMATS = ("mkl_sgemm", "onednn", BLOCKED)  # exact float32 forms (backend_options.pack_weights names one)
 BF16 = "onednn_bf16"
-FORMATS = (*PACK_FORMATS, BF16)  # every format a graph's packed input may take (manifest PackedWeight)
-ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BLOCKED: 4, BF16: 2}  # per weight element, of the copy made at load
+BF16_FORMATS = (BF16, BLOCKED_BF16)  # the draft's bfloat16 forms
+FORMATS = (*PACK_FORMATS, *BF16_FORMATS)  # every format a graph's packed input may take (manifest PackedWeight)
+# per weight element, of the copy made at load
+ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BLOCKED: 4, BF16: 2, BLOCKED_BF16: 2}
 NO_PACK = "EAGLE3_RUNTIME_NO_PACK"
 ONEDNN_ROWS = 8  # the row count oneDNN's copies are laid out for (module doc)
 
@@ -77,7 +83,7 @@ def pack_available(fmt: str) -> bool:
     """Whether this torch can make `fmt`-packed copies on this CPU."""
     if fmt == "mkl_sgemm":
         return torch.backends.mkl.is_available()
-    if fmt == BLOCKED:
+    if fmt in BLOCKED_FORMATS:
         return True
     return fmt in ONEDNN_FORMATS and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
         and (fmt != BF16 or onednn_bf16_available())
@@ -87,7 +93,7 @@ def copy_key(p: PackedWeight) -> tuple:
     """What identifies one packed copy: oneDNN's serve every row count, blocked ones every row count of their
     block_n, MKL's one."""
     weights = (p.weight, *p.fused)
-    if p.format == BLOCKED:
+    if p.format in BLOCKED_FORMATS:
         return weights, p.format, p.block_n
     return (weights, p.format) if p.format in ONEDNN_FORMATS else (weights, p.rows, p.format)
 
@@ -102,10 +108,10 @@ def block(weight: torch.Tensor, block_n: int) -> torch.Tensor:
 def pack_weight(weight: torch.Tensor, rows: int, fmt: str, block_n: int | None = None) -> torch.Tensor:
     """The packed copy of a [out, in] float32 weight for GEMMs of `rows` token rows (any, for oneDNN's and
     blocked ones; block_n: the blocked format's)."""
-    if fmt == BLOCKED:
+    if fmt in BLOCKED_FORMATS:
         if not block_n:
             raise BundleError("a blocked weight copy without its block_n: rebuild the bundle")
-        return block(weight, block_n)
+        return block(weight.to(torch.bfloat16) if fmt == BLOCKED_BF16 else weight, block_n)
     if fmt == BF16:
         weight = weight.to(torch.bfloat16)
     if fmt in ONEDNN_FORMATS and onednn_available() and (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):
@@ -122,10 +128,11 @@ def pack_weight(weight: torch.Tensor, rows: int, fmt: str, block_n: int | None =
 
 @torch.library.custom_op("eagle3::blocked_linear", mutates_args=())
 def blocked_linear(x: torch.Tensor, w: torch.Tensor, n: int, threads: int) -> torch.Tensor:
-    """x @ W.T for a 2-D x, with w = block(W, block_n) and n = W's rows. aoti graphs lower it to Inductor's CPU GEMM
-    template, generated for `threads` threads (eagle3_build.backends.aoti); run as is, it is the reference."""
+    """x @ W.T for a 2-D x, with w = block(W, block_n) and n = W's rows; a bfloat16 w takes x rounded to bfloat16 and
+    gives x's dtype. aoti graphs lower it to Inductor's CPU GEMM template, generated for `threads` threads
+    (eagle3_build.backends.aoti); run as is, it is the reference."""
     nb, k, bn = w.shape
-    return x @ w.transpose(0, 1).reshape(k, nb * bn)[:, :n]
+    return (x.to(w.dtype) @ w.transpose(0, 1).reshape(k, nb * bn)[:, :n]).to(x.dtype)
 
 
 @blocked_linear.register_fake
@@ -137,7 +144,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor | 
                   fmt: str, n: int | None = None, threads: int = 1) -> torch.Tensor:
     """x @ weight.T (+ bias) for a 2-D x, with `packed` = pack_weight(weight, x.shape[0], fmt). n: the output
     width where weight is None (fused copies); threads: the blocked format's GEMM's."""
-    if fmt == BLOCKED:
+    if fmt in BLOCKED_FORMATS:
         y = torch.ops.eagle3.blocked_linear(x, packed, weight.shape[0] if weight is not None else n, threads)
         return y if bias is None else y + bias
     if fmt == "mkl_sgemm":

@@ -15,7 +15,7 @@ from conftest import REPO, run_cli
 from test_tp import torchrun
 
 from eagle3_build.backends.aoti import buildable, lean_wrapper_available
-from eagle3_runtime.manifest import FUSED_FORMATS, ONEDNN_FORMATS
+from eagle3_runtime.manifest import BLOCKED_BF16, BLOCKED_FORMATS, FUSED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BF16, NO_PACK, pack_available
 
 PROMPT = "Once upon a time, in a land far away"
@@ -27,7 +27,16 @@ AOTI_RECIPE = {"buckets": {"prefill": [64]}}  # with K 1: 5 graphs per bundle (n
 # draft's bfloat16 one below, and test_a_new_prefill_bucket_rekeys_its_own_graphs_only's; Inductor's template with
 # its own register blocking: test_a_bundle_built_for_avx2_runs_where_only_avx2_does's)
 PACKING = {1: "mkl_sgemm", 2: "blocked"}
-DRAFT_BF16 = {2: True}  # ... and at TP 2 the draft's projections in oneDNN bfloat16 (draft_bfloat16: true)
+# ... and at TP 2 the draft's projections in bfloat16 (draft_bfloat16: true): oneDNN's GEMM where it runs (AVX-512),
+# Inductor's template over a bfloat16 blocked copy elsewhere
+DRAFT_BF16 = {2: True}
+
+
+def draft_bf16_form() -> str | None:
+    """The bfloat16 GEMM draft_bfloat16: true names on this host (None: none here)."""
+    from eagle3_build.backends.aoti import AotiBackend
+
+    return next(iter(AotiBackend({}).bf16_formats()), None)
 
 
 def packing(tp: int) -> str:
@@ -49,7 +58,7 @@ def build(world, backend: str, tp: int):
     `eagle3-build compile --backend BACKEND --jobs 2` (aoti: packing as `packing` names it)."""
     recipe = AOTI_RECIPE
     if backend == "aoti" and buildable(PACKING[tp]):
-        opts = {"pack_weights": packing(tp)} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and buildable(BF16)
+        opts = {"pack_weights": packing(tp)} | ({"draft_bfloat16": True} if DRAFT_BF16.get(tp) and draft_bf16_form()
                                                else {})
         recipe = {**recipe, "backend": "aoti", "backend_options": opts}
     return world["tiny"].bundle(k=1, backend=backend, tp=tp, recipe=recipe, jobs=2, cli=True)
@@ -115,9 +124,9 @@ def test_aoti_tp2_under_torchrun(world):
     if buildable(PACKING[2]):
         r = run_cli("eagle3-build", "inspect", str(aoti))
         assert r.returncode == 0 and f"GEMM per token row count: 1 row {packing(2)}" in r.stdout, r.stdout[-2000:]
-        if buildable(BF16):  # the draft's GEMMs in oneDNN's bfloat16: listed, and the output stays exact (above)
-            assert "; draft: 1 row onednn_bf16" in r.stdout.replace("\n", " "), r.stdout[-2000:]
-            # built for oneDNN-packed draft weights, run where none can be made: plain weights
+        if draft_bf16_form():  # the draft's GEMMs in bfloat16: listed, and the output stays exact (above)
+            assert f"; draft: 1 row {draft_bf16_form()}" in r.stdout.replace("\n", " "), r.stdout[-2000:]
+        if draft_bf16_form() == BF16:  # built for oneDNN-packed draft weights, run where none can be made: plain ones
             assert generate(aoti, tp=2, env={NO_PACK: "1"})["token_ids"] == got["token_ids"]
 
 
@@ -179,7 +188,7 @@ def assert_packed_projections(m: dict) -> None:
     if form is None:
         return
     fmt, blocking = gemm.form_parts(form)
-    draft_form = BF16 if opts.get("draft_bfloat16") is True else form
+    draft_form = draft_bf16_form() if opts.get("draft_bfloat16") is True else form
     assert {r["choice"] for r in m["build"]["gemm"]["rows"].values()} == {form}
     assert {r["choice"] for r in m["build"]["gemm"]["draft"]["rows"].values()} == {draft_form}
     for g in m["graphs"]:
@@ -187,7 +196,7 @@ def assert_packed_projections(m: dict) -> None:
         want = gemm.form_parts(draft_form)[0] if g["role"].startswith("draft") else fmt
         assert all(p["weight"] in g["weights"] and p["format"] == want for p in g["packed"]), g["name"]
         assert all(not p["fused"] for p in g["packed"]) or want in FUSED_FORMATS
-        assert all((p["block_n"] is not None) == (p["format"] == "blocked") for p in g["packed"])
+        assert all((p["block_n"] is not None) == (p["format"] in BLOCKED_FORMATS) for p in g["packed"])
         if blocking:
             assert {p["block_n"] for p in g["packed"] if p["format"] == "blocked"} <= {blocking[1]}, g["name"]
         if g["role"].endswith("prefill") and want not in ONEDNN_FORMATS:
@@ -273,13 +282,18 @@ def test_a_bundle_built_for_avx2_runs_where_only_avx2_does(world, tmp_path, monk
     with pytest.raises(UserError, match="cpu_isa avx512: this build host runs AVX2 code"):
         AotiBackend({"cpu_isa": "avx512"})
     monkeypatch.undo()
-    # oneDNN has no bfloat16 GEMM on AVX2 CPUs: not a candidate for the draft of an AVX2 build, refused when named,
-    # and a bundle that calls it is refused at load where oneDNN cannot run it
-    assert not AotiBackend({"cpu_isa": "avx2"}).bf16()
-    rec = AotiBackend({"cpu_isa": "avx2"}).pack_choice("float32", [(64, 32)], [1], None, [(64, 32)], draft_bf16=True)
+    # oneDNN has no bfloat16 GEMM on AVX2 CPUs: not a candidate for the draft of an AVX2 build (Inductor's template
+    # over a bfloat16 blocked copy is, and what draft_bfloat16: true names there), and a bundle that calls it is
+    # refused at load where oneDNN cannot run it
+    avx2 = AotiBackend({"cpu_isa": "avx2"})
+    assert avx2.bf16_formats() == ([BLOCKED_BF16] if buildable(BLOCKED_BF16) else [])
+    rec = avx2.pack_choice("float32", [(64, 32)], [1], None, [(64, 32)], draft_bf16=True)
     assert all(BF16 not in v["ms"] for v in rec["draft"]["rows"].values())
-    with pytest.raises(UserError, match="draft_bfloat16: true: oneDNN's bfloat16 GEMM is not available"):
+    assert all((BLOCKED_BF16 in v["ms"]) == buildable(BLOCKED_BF16) for v in rec["draft"]["rows"].values())
+    monkeypatch.setattr(AotiBackend, "bf16_formats", lambda self: [])
+    with pytest.raises(UserError, match="draft_bfloat16: true: no bfloat16 GEMM is available"):
         AotiBackend({"cpu_isa": "avx2", "draft_bfloat16": True})
+    monkeypatch.undo()
     two = build(world, "aoti", 2).manifest
     if any(p["format"] == BF16 for g in two["graphs"] for p in g["packed"]):
         monkeypatch.setattr("eagle3_runtime.backends.aoti.onednn_bf16_available", lambda: False)
@@ -398,11 +412,15 @@ def test_pack_weights_option(monkeypatch, tmp_path):
         assert all(BF16 not in v["ms"] for v in rec["rows"].values())  # never the target's
         assert set(rec["draft"]["rows"]) == set(rec["rows"])
         assert all((BF16 in v["ms"]) == (stored_bf16 and pack_available(BF16)) for v in rec["draft"]["rows"].values())
+        # Inductor's template over a bfloat16 blocked copy: at decode-sized row counts, where it has the kernel
+        assert all((BLOCKED_BF16 in v["ms"]) == (stored_bf16 and buildable(BLOCKED_BF16) and int(r) <= 32)
+                   for r, v in rec["draft"]["rows"].items())
     never = AotiBackend({"draft_bfloat16": False}).pack_choice("float32", shapes, rows, tmp_path, d_shapes, True)
-    assert all(BF16 not in v["ms"] for v in never["draft"]["rows"].values())
-    if pack_available(BF16):
+    assert all(f not in v["ms"] for v in never["draft"]["rows"].values() for f in (BF16, BLOCKED_BF16))
+    if on.bf16_formats():  # oneDNN's where it runs, else the template's
         always = AotiBackend({"draft_bfloat16": True}).pack_choice("float32", shapes, rows, tmp_path, d_shapes, False)
-        assert {v["choice"] for v in always["draft"]["rows"].values()} == {BF16} and always["draft"]["named"] == BF16
+        named = on.bf16_formats()[0]
+        assert {v["choice"] for v in always["draft"]["rows"].values()} == {named} and always["draft"]["named"] == named
     with pytest.raises(UserError, match="draft_bfloat16 'yes': must be auto"):
         AotiBackend({"draft_bfloat16": "yes"})
     with pytest.raises(UserError, match="draft_bfloat16: true needs packed weights"):
@@ -440,7 +458,7 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     # Inductor's template at a row count its register blocking takes in two passes: the one-pass blocking too,
     # after it in the order (within the margin the earlier wins); one that has no such blocking measures none
     monkeypatch.setattr(gemm.lowerings, "one_pass_blocking", lambda rows: (8, 8) if rows <= 8 else None)
-    monkeypatch.setattr(gemm.lowerings, "blocking", lambda rows, n, k, threads: (4, 24))
+    monkeypatch.setattr(gemm.lowerings, "blocking", lambda rows, n, k, threads, dtype=None: (4, 24))
     assert gemm.blocked_variants([(64, 32)], 8) == ["blocked:8x8"] and gemm.blocked_variants([(64, 32)], 9) == []
     measured = []
     monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(forms) or
@@ -449,9 +467,18 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     assert measured == [["plain", "blocked", "blocked:8x8"]] and rec["rows"]["8"]["choice"] == "blocked:8x8"
     assert gemm.choices(rec) == {8: "blocked:8x8"} and gemm.form_parts("blocked:8x8") == ("blocked", (8, 8))
     assert gemm.form_parts("onednn") == ("onednn", None)
+    # a bfloat16 draft's: each blocked format with its own one-pass blocking, in FORMS order
+    measured = []
+    rec = gemm.choose([(64, 32)], [8], ["blocked", "blocked_bf16"], None)
+    assert measured == [["plain", "blocked", "blocked_bf16", "blocked:8x8", "blocked_bf16:8x8"]]
+    assert rec["rows"]["8"]["choice"] == "blocked:8x8"
+    assert gemm.form_parts("blocked_bf16:8x8") == ("blocked_bf16", (8, 8))
+    fast = {"plain": [3.0], "blocked": [2.0], "blocked_bf16": [1.2], "blocked_bf16:8x8": [1.1]}
+    assert gemm.pick(fast) == "blocked_bf16:8x8"
     assert gemm.pick({"plain": [3.0], "blocked": [2.0], "blocked:8x8": [1.97]}) == "blocked"
     assert gemm.pick({"blocked:8x8": [1.5], "plain": [3.0], "blocked": [2.0]}) == "blocked:8x8"
-    monkeypatch.setattr(gemm.lowerings, "blocking", lambda rows, n, k, threads: (8, 8) if n == 64 else (4, 16))
+    monkeypatch.setattr(gemm.lowerings, "blocking",
+                        lambda rows, n, k, threads, dtype=None: (8, 8) if n == 64 else (4, 16))
     assert gemm.blocked_variants([(64, 32)], 8) == []  # (Inductor's own choice already covers the rows)
     assert gemm.blocked_variants([(64, 32), (48, 32)], 4) == []  # (... and covers them in one pass, if another way)
     assert gemm.blocked_variants([(64, 32), (48, 32)], 8) == ["blocked:8x8"]

@@ -53,10 +53,11 @@ def test_single_row_traces_a_two_column_gemm():
 
 
 @pytest.mark.parametrize("fmt, no_pack", [("mkl_sgemm", False), ("onednn", False), ("onednn", True),
-                                           ("onednn_bf16", False), ("onednn_bf16", True), ("blocked", False)])
+                                           ("onednn_bf16", False), ("onednn_bf16", True), ("blocked", False),
+                                           ("blocked_bf16", False)])
 def test_packed_forms_compute_the_projection(fmt, no_pack, monkeypatch):
     """Every packed form computes x @ W.T (+ b) in x's dtype: the exact ones to float32 rounding, the draft's
-    bfloat16 one to bfloat16's (x and W rounded; float32 accumulation); without packing (NO_PACK) oneDNN's
+    bfloat16 ones to bfloat16's (x and W rounded; float32 accumulation); without packing (NO_PACK) oneDNN's
     forms take the plain weight (in bfloat16 for the bf16 form) and give the same result."""
     from eagle3_runtime.packing import NO_PACK, pack_available, pack_weight, packed_linear
 
@@ -65,11 +66,11 @@ def test_packed_forms_compute_the_projection(fmt, no_pack, monkeypatch):
     monkeypatch.setenv(NO_PACK, "1" if no_pack else "0")
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 64), torch.randn(96, 64), torch.randn(96)
-    p = pack_weight(w, 4, fmt, 32 if fmt == "blocked" else None)
-    assert p.dtype == (torch.bfloat16 if fmt == "onednn_bf16" else torch.float32)
+    p = pack_weight(w, 4, fmt, 32 if fmt.startswith("blocked") else None)
+    assert p.dtype == (torch.bfloat16 if fmt.endswith("bf16") else torch.float32)
     y = packed_linear(x, p, w, b, fmt)
     assert y.dtype == torch.float32 and y.shape == (4, 96)
-    if fmt == "onednn_bf16":
+    if fmt.endswith("bf16"):
         want = F.linear(x.bfloat16().float(), w.bfloat16().float(), b.bfloat16().float())
         torch.testing.assert_close(y, want, rtol=2e-2, atol=5e-2)
         assert (y - F.linear(x, w, b)).abs().max() > 1e-4  # (really computed in bfloat16)
@@ -132,6 +133,8 @@ def test_one_onednn_copy_serves_every_row_count():
     assert key(("t/q",), 4, "mkl_sgemm") != key(("t/q",), 5, "mkl_sgemm")
     assert key(("t/q", "t/k"), 1, "blocked", 48) == key(("t/q", "t/k"), 4, "blocked", 48)
     assert key(("t/q",), 1, "blocked", 48) != key(("t/q",), 1, "blocked", 32)
+    assert key(("d/fc",), 1, "blocked_bf16", 8) == key(("d/fc",), 5, "blocked_bf16", 8)
+    assert key(("d/fc",), 1, "blocked_bf16", 8) != key(("d/fc",), 1, "blocked", 8)
     for fmt, block_n in (("blocked", None), ("onednn", 48)):  # block_n goes with the blocked format only
         with pytest.raises(ValueError, match="block_n goes with the blocked format"):
             PackedWeight(weight="t/q", rows=1, format=fmt, block_n=block_n)
@@ -192,6 +195,48 @@ def test_blocked_layout_is_inductors():
                     assert ("vfma(va, vb[col]" in "".join(code)) == (kernel() is not None)
                 assert torch.equal(*runs.values()), (width, rows)
     lowerings._micro_gemm.cache_clear()
+
+
+def test_blocked_bf16_takes_inductors_bfloat16_kernel():
+    """blocked_bf16 (a draft's projections): the blocked layout in bfloat16; run as is, x rounded to bfloat16 times
+    the copy, in x's dtype; compiled, Inductor's bfloat16 micro-kernel over the copy (products of the rounded
+    operands summed in float32, so within bfloat16's rounding of that), on x86 on raw registers with the weight
+    prefetched: Inductor's shipped kernel's result bit for bit, at one row and at a full register block."""
+    from torch._inductor.utils import run_and_get_code
+
+    from eagle3_build.backends import lowerings
+    from eagle3_runtime.manifest import BLOCKED_BF16, PackedWeight
+    from eagle3_runtime.packing import pack_weight, packed_linear
+
+    if not lowerings.available(torch.bfloat16):
+        pytest.skip("Inductor has no vectorised bfloat16 micro-kernel here")
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    for rows in (1, 8):
+        x = torch.randn(rows, 64)
+        bn = lowerings.block_n(rows, 96, 64, 2, dtype=torch.bfloat16)
+        c = pack_weight(w, rows, BLOCKED_BF16, bn)
+        assert c.dtype == torch.bfloat16 and torch.equal(c[0, :, 1], w[1].to(torch.bfloat16))
+        want = (x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T)
+        ref = packed_linear(x, c, w, None, BLOCKED_BF16)
+        assert ref.dtype == torch.float32
+        torch.testing.assert_close(ref, want, rtol=1e-2, atol=1e-2)
+        runs = {}
+        for kernel in (lowerings.tuned_kernel, lambda: None):
+            torch._dynamo.reset()
+            fn = torch.compile(lambda x, c: packed_linear(x, c, None, None, BLOCKED_BF16, n=96, threads=2),
+                               dynamic=False, fullgraph=True)
+            with mock.patch.object(lowerings, "tuned_kernel", kernel), lowerings.packed_input_lowering(), \
+                    torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+                runs[kernel()], code = run_and_get_code(fn, x, c)
+            code = "".join(code)
+            assert ("vloadb(B + k * ldb" in code) == (kernel() is not None and lowerings.tuned_kernel() is not None
+                                                      and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+            assert "bfloat16" in code and runs[kernel()].dtype == torch.float32
+            torch.testing.assert_close(runs[kernel()], want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(*runs.values()), rows
+    with pytest.raises(ValueError, match="block_n goes with the blocked formats"):
+        PackedWeight(weight="d/fc", rows=1, format=BLOCKED_BF16)
 
 
 def test_each_template_source_is_parsed_once():

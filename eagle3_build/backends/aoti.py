@@ -24,8 +24,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from eagle3_runtime.backends.aoti import CPU_ISA_RANK
-from eagle3_runtime.manifest import BLOCKED, GRAPH_FORMATS, dtype_name
-from eagle3_runtime.packing import BF16, PACK_FORMATS, pack_available
+from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, GRAPH_FORMATS, dtype_name
+from eagle3_runtime.packing import BF16, BF16_FORMATS, PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
@@ -88,10 +88,10 @@ class AotiBackend(PerGraphBackend):
         if self.draft_bfloat16 is True and not self.pack_weights:
             raise UserError("backend_options.draft_bfloat16: true needs packed weights: set pack_weights to true "
                             "(or a format), or draft_bfloat16 to auto or false")
-        if self.draft_bfloat16 is True and not self.bf16():
-            raise UserError("backend_options.draft_bfloat16: true: oneDNN's bfloat16 GEMM is not available to these "
-                            "graphs (it needs x86 torch with oneDNN, and AVX-512 CPUs here and where they are served: "
-                            "not cpu_isa avx2); use auto or false")
+        if self.draft_bfloat16 is True and not self.bf16_formats():
+            raise UserError("backend_options.draft_bfloat16: true: no bfloat16 GEMM is available to these graphs "
+                            "(oneDNN's needs x86 torch with oneDNN and AVX-512 CPUs, Inductor's template a vector ISA "
+                            "it has a bfloat16 micro-kernel for); use auto or false")
         self.vec_isa_ok: bool | None = None  # set by prepare(): Inductor's ISA probe already proven
 
     @staticmethod
@@ -112,10 +112,12 @@ class AotiBackend(PerGraphBackend):
                             "use cpu_isa: host")
         return cpu_isa
 
-    def bf16(self) -> bool:
-        """Whether oneDNN's bfloat16 GEMM can serve the draft: made here, and run on the CPUs the graphs are for
-        (oneDNN has no bfloat16 path on AVX2 CPUs)."""
-        return buildable(BF16) and self.cpu_isa != "avx2"
+    def bf16_formats(self) -> list[str]:
+        """The bfloat16 GEMMs that can serve the draft, made here and run on the CPUs the graphs are for: oneDNN's
+        (it has no bfloat16 path on AVX2 CPUs), and Inductor's template where it has a bfloat16 micro-kernel for
+        the graphs' ISA."""
+        with self.codegen():
+            return [f for f in BF16_FORMATS if buildable(f) and (f != BF16 or self.cpu_isa != "avx2")]
 
     def codegen(self):
         """Inductor set to compile for the graphs' ISA and psABI level (tuned for this host: -mtune=native)."""
@@ -158,9 +160,9 @@ class AotiBackend(PerGraphBackend):
 
         def record(shapes_, bf16):
             if bf16 and self.draft_bfloat16 is True:
-                return gemm.named(BF16, rows)
+                return gemm.named(self.bf16_formats()[0], rows)
             if self.pack_weights is True:
-                return gemm.choose(shapes_, rows, exact + ([BF16] if bf16 and self.bf16() else []), cache_dir)
+                return gemm.choose(shapes_, rows, exact + (self.bf16_formats() if bf16 else []), cache_dir)
             return gemm.named(self.pack_weights, rows)
 
         with self.codegen():  # (blocked forms are compiled for the bundle's ISA, and timed here)
@@ -214,7 +216,7 @@ class AotiBackend(PerGraphBackend):
 def buildable(fmt: str) -> bool:
     """Whether graphs built here can take `fmt`-packed weights: this torch makes the copies and, for blocked
     ones, Inductor has a vectorised micro-kernel for this CPU."""
-    return pack_available(fmt) and (fmt != BLOCKED or lowerings.available())
+    return pack_available(fmt) and (fmt not in BLOCKED_FORMATS or lowerings.available(gemm.BLOCKED_DTYPES[fmt]))
 
 
 def host_vec_isa(cache_root: Path) -> dict:

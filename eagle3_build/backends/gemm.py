@@ -7,12 +7,12 @@ linear does unpacked: a weight-stationary mm up to SMALL_ROWS rows, F.linear bey
 eagle3_runtime.packing that can be made here (MKL's sgemm pack, oneDNN's blocked layout, Inductor's CPU GEMM
 template over its own blocked layout, compiled here as the graphs compile it, with Inductor's register blocking and,
 where that takes two passes over the rows, also with the blocking that takes one ("blocked:8x8":
-lowerings.one_pass_blocking); for a draft stored in bfloat16, oneDNN's bfloat16 GEMM too, measured over the draft's
-own shapes). The fastest wins unless it beats the form before it in FORMS by less than MARGIN (noise must not flip a
-choice, which would change every graph's cache key), and it must win in each of ROUNDS rounds timed one after the
-other (a close call that one round gives a later form and the next round an earlier one goes to the earlier form:
-this host's memory bandwidth drifts by the second, and a bandwidth-bound form feels it more than a compute-bound
-one).
+lowerings.one_pass_blocking); for a draft stored in bfloat16, the bfloat16 forms too (oneDNN's GEMM, Inductor's
+template over a bfloat16 blocked copy), measured over the draft's own shapes). The fastest wins unless it beats the
+form before it in FORMS by less than MARGIN (noise must not flip a choice, which would change every graph's cache
+key), and it must win in each of ROUNDS rounds timed one after the other (a close call that one round gives a later
+form and the next round an earlier one goes to the earlier form: this host's memory bandwidth drifts by the second,
+and a bandwidth-bound form feels it more than a compute-bound one).
 
 Each answer is memoised under the compile cache (`host/`), keyed on the CPU model, thread count, torch and
 shapes, per row count, so a host measures each once; the manifest's build record keeps it (`inspect` prints
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_runtime.manifest import BLOCKED, ONEDNN_FORMATS
+from eagle3_runtime.manifest import BLOCKED, BLOCKED_BF16, BLOCKED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
 from ..files import atomic_write
@@ -39,6 +39,7 @@ from ..models.linear import SMALL_ROWS, linear
 from . import lowerings
 
 PLAIN = "plain"
+BLOCKED_DTYPES = {BLOCKED: torch.float32, BLOCKED_BF16: torch.bfloat16}  # the operands of a blocked format's GEMM
 FORMS = (PLAIN, *FORMATS)
 F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: measured by benchmarks/linear_layout.py, never chosen)
 MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
@@ -76,13 +77,13 @@ def form_parts(form: str) -> tuple[str, tuple[int, int] | None]:
     return fmt, (tuple(int(x) for x in blocking.split("x")) if blocking else None)
 
 
-def blocked_variants(shapes: list[tuple[int, int]], rows: int) -> list[str]:
-    """The blocked form's other candidate at a row count: the one-pass register blocking, where Inductor's choice
+def blocked_variants(shapes: list[tuple[int, int]], rows: int, fmt: str = BLOCKED) -> list[str]:
+    """A blocked form's other candidate at a row count: the one-pass register blocking, where Inductor's choice
     for one of the shapes takes more than one pass over the rows."""
     one = lowerings.one_pass_blocking(rows)
     threads = torch.get_num_threads()
-    theirs = {lowerings.blocking(rows, o, i, threads) for o, i in set(shapes)}
-    return [variant(BLOCKED, one)] if one and any(b and b[0] < rows for b in theirs) else []
+    theirs = {lowerings.blocking(rows, o, i, threads, BLOCKED_DTYPES[fmt]) for o, i in set(shapes)}
+    return [variant(fmt, one)] if one and any(b and b[0] < rows for b in theirs) else []
 
 
 def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repeats: int = REPEATS,
@@ -104,9 +105,9 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
                 calls[form] = each([(lambda x, w=w: linear(x, w)) for w in weights])
             elif form == F_LINEAR:
                 calls[form] = each([(lambda x, w=w: F.linear(x, w)) for w in weights])
-            elif form_parts(form)[0] == BLOCKED:
+            elif form_parts(form)[0] in BLOCKED_FORMATS:
                 try:
-                    calls[form] = blocked_pass(weights, rows, xs, form_parts(form)[1])
+                    calls[form] = blocked_pass(weights, rows, xs, form_parts(form)[1], form_parts(form)[0])
                 except Exception:  # (Inductor could not generate it here: not a candidate, as where it has no ISA)
                     continue
             else:
@@ -124,23 +125,24 @@ def time_forms(shapes: list[tuple[int, int]], rows: int, forms: list[str], repea
 
 
 def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor],
-                 blocking: tuple[int, int] | None = None):
-    """One pass of x @ W.T over `weights` in the blocked format (register blocking: Inductor's, or `blocking`),
+                 blocking: tuple[int, int] | None = None, fmt: str = BLOCKED):
+    """One pass of x @ W.T over `weights` in a blocked format (register blocking: Inductor's, or `blocking`),
     compiled now as the aoti backend compiles a graph (one AOTInductor package, the template per GEMM, in a private
     directory removed after): a callable."""
     import torch._inductor.config
 
     threads = torch.get_num_threads()
-    block_ns = [lowerings.block_n(rows, *w.shape, threads, blocking) for w in weights]
+    dtype = BLOCKED_DTYPES[fmt]
+    block_ns = [lowerings.block_n(rows, *w.shape, threads, blocking, dtype) for w in weights]
     if None in block_ns:
-        raise RuntimeError(f"no float32 register blocking {blocking} here")
-    copies = tuple(pack_weight(w, rows, BLOCKED, bn) for w, bn in zip(weights, block_ns))
+        raise RuntimeError(f"no {dtype} register blocking {blocking} here")
+    copies = tuple(pack_weight(w, rows, fmt, bn) for w, bn in zip(weights, block_ns))
     widths, ks = [w.shape[0] for w in weights], sorted(xs)
 
     class Pass(nn.Module):
         def forward(self, xs_, copies_):
             by_k = dict(zip(ks, xs_))
-            return [packed_linear(by_k[c.shape[1]], c, None, None, BLOCKED, n=n, threads=threads)
+            return [packed_linear(by_k[c.shape[1]], c, None, None, fmt, n=n, threads=threads)
                     for c, n in zip(copies_, widths)]
 
     args = (tuple(xs[k] for k in ks), copies)
@@ -183,7 +185,7 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
              "capability": torch.backends.cpu.get_cpu_capability(), "forms": [PLAIN, *formats],
              "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
              "repeats": REPEATS, "rounds": ROUNDS}
-    if BLOCKED in formats:
+    if set(BLOCKED_FORMATS) & set(formats):
         ident |= {"blocked_kernel": lowerings.kernel_tag(), "blockings": "inductor's, one-pass"}
     if torch._inductor.config.cpp.simdlen:  # (what the aoti backend compiles blocked forms for: its codegen())
         ident["code"] = [torch._inductor.config.cpp.simdlen, torch._inductor.config.cpp.march]
@@ -200,7 +202,7 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if missing and formats else []
     for r in missing:
         forms = forms_for(r, formats)
-        forms += blocked_variants(shapes, r) if BLOCKED in forms else []
+        forms += [v for f in BLOCKED_FORMATS if f in forms for v in blocked_variants(shapes, r, f)]
         ms = time_forms(shapes, r, forms, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights, rounds=ROUNDS) \
             if len(forms) > 1 else {PLAIN: [0.0]}
         known[str(r)] = {"choice": pick(ms), "ms": ms}

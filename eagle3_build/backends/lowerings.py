@@ -15,7 +15,9 @@ refuses a block_n no blocking of this ISA has. Inductor's float32 micro-kernel i
 one for int8 weights only); at 4-8 rows its FMAs then keep the core's loads from running far enough ahead to stream
 the weight, so the template compiled here prefetches each weight block PREFETCH_BYTES ahead; and since GCC keeps
 the kernel's array of Vectorized accumulators on the stack (a store per FMA), on x86 it runs the same FMAs on raw
-vector registers (`tuned_kernel`).
+vector registers (`tuned_kernel`). A bfloat16 copy (blocked_bf16, the draft's) takes Inductor's bfloat16 vector
+micro-kernel (x rounded to bfloat16, both operands widened to float32 as they load, products summed in float32),
+edited the same way.
 
 Two edits only make compiling cheaper, the code generated for the kernels unchanged: each template source is
 parsed once (`_parsed_once`), and AOTI's per-input debugging checks are not written (`lean_wrapper`).
@@ -36,6 +38,7 @@ DTYPE = torch.float32
 # Zen 3 at block_n 8, 1.5-3.75 KB alike and 512 B (16 steps) 14% slower at 8 rows
 PREFETCH_BYTES = 3072
 AHEAD = f"({PREFETCH_BYTES} / (BLOCK_N * 4))"  # (k steps, in the kernel's C++: BLOCK_N is its template parameter)
+AHEAD_BF16 = f"({PREFETCH_BYTES} / (BLOCK_N * 2))"
 _WEIGHT_LOAD = ("            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
                 "        {%- endif %}\n    {%- endif %}")  # (the float32 weight's load, full block_n)
 _VECTORIZED = "    using Vectorized = at::vec::Vectorized<{{compute_t}}>;\n"  # (the kernel body's first line)
@@ -94,6 +97,24 @@ _REGISTERS = """{%- if not trans_b and not tail_n and alpha == 1 and input_dtype
 """
 
 
+# The same for blocked_bf16's kernel (bfloat16 operands widened to float32 as they load: a shift of each 16-bit
+# half into a float's top, exact): its weight prefetched the same bytes ahead.
+_REGISTERS_BF16 = (
+    _REGISTERS.replace("input_dtype == torch.float32\n      and input2_dtype == torch.float32",
+                       "input_dtype == torch.bfloat16\n      and input2_dtype == torch.bfloat16")
+    .replace("        auto vfma = [](R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); };\n",
+             "        auto vfma = [](R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); };\n"
+             "        auto vloadb = [](const void* p) { return _mm512_castsi512_ps(_mm512_slli_epi32(\n"
+             "            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16)); };\n")
+    .replace("        auto vfma = [](R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); };\n",
+             "        auto vfma = [](R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); };\n"
+             "        auto vloadb = [](const void* p) { return _mm256_castsi256_ps(_mm256_slli_epi32(\n"
+             "            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16)); };\n")
+    .replace("vb[col] = vload(B + k * ldb + col * W);", "vb[col] = vloadb(B + k * ldb + col * W);")
+    .replace("R va = vset1(A[row * lda + k]);", "R va = vset1(static_cast<float>(A[row * lda + k]));")
+    .replace("AHEAD", "AHEAD_BF16"))
+
+
 @functools.lru_cache(maxsize=None)
 def tuned_kernel() -> str | None:
     """Inductor's float32 micro-kernel source with a prefetch of the weight PREFETCH_BYTES ahead of each load
@@ -107,7 +128,8 @@ def tuned_kernel() -> str | None:
         return None
     ahead = f"            __builtin_prefetch(B + (k + {AHEAD}) * ldb + col * VLEN, 0, 3);\n"
     src = src.replace(_WEIGHT_LOAD, ahead + _WEIGHT_LOAD)
-    return src.replace(_VECTORIZED, _VECTORIZED + _REGISTERS.replace("AHEAD", AHEAD))
+    return src.replace(_VECTORIZED, _VECTORIZED + _REGISTERS.replace("AHEAD", AHEAD)
+                       + _REGISTERS_BF16.replace("AHEAD_BF16", AHEAD_BF16))
 
 
 def kernel_tag() -> str:
@@ -117,7 +139,7 @@ def kernel_tag() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _micro_gemm(rows: int, n: int, k: int, threads: int, simdlen: int | None):
+def _micro_gemm(rows: int, n: int, k: int, threads: int, simdlen: int | None, dtype: torch.dtype = DTYPE):
     # (simdlen: Inductor's cpp.simdlen, which create_micro_gemm reads itself; here a cache key)
     import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
     from torch._inductor.codegen.cpp_micro_gemm import create_micro_gemm
@@ -126,13 +148,14 @@ def _micro_gemm(rows: int, n: int, k: int, threads: int, simdlen: int | None):
 
     graph = torch.fx.Graph()
     graph.output(())
-    with V.set_graph_handler(GraphLowering(torch.fx.GraphModule(torch.nn.Module(), graph))):
-        return create_micro_gemm("micro_gemm", rows, n, k, input_dtype=DTYPE, input2_dtype=DTYPE, output_dtype=DTYPE,
+    with V.set_graph_handler(GraphLowering(torch.fx.GraphModule(torch.nn.Module(), graph))), _kernels(dtype):
+        return create_micro_gemm("micro_gemm", rows, n, k, input_dtype=dtype, input2_dtype=dtype, output_dtype=DTYPE,
                                  compute_dtype=DTYPE, num_threads=threads, use_ref=False)
 
 
-def _fp32(config) -> bool:
-    return config.input_dtype == config.input2_dtype == config.compute_dtype == DTYPE
+def _of(config, dtype: torch.dtype = DTYPE) -> bool:
+    """Whether a micro-kernel config multiplies two `dtype` operands in float32 (the blocked formats' kernels)."""
+    return config.input_dtype == config.input2_dtype == dtype and config.compute_dtype == DTYPE
 
 
 def register_blockings() -> list[tuple[int, int]]:
@@ -143,7 +166,7 @@ def register_blockings() -> list[tuple[int, int]]:
 
     isa = pick_vec_isa()
     return [(c.register_blocking.block_m, c.register_blocking.block_n) for configs in micro_gemm_configs.values()
-            for c in configs if _fp32(c) and c.register_blocking.block_k == 1 and isinstance(isa, c.vec_isa_cls)]
+            for c in configs if _of(c) and c.register_blocking.block_k == 1 and isinstance(isa, c.vec_isa_cls)]
 
 
 def one_pass_blocking(rows: int) -> tuple[int, int] | None:
@@ -155,45 +178,58 @@ def one_pass_blocking(rows: int) -> tuple[int, int] | None:
     return max(fits, key=lambda b: b[0] * b[1] + b[0] + b[1]) if fits else None
 
 
-def blocking(rows: int, n: int, k: int, threads: int) -> tuple[int, int] | None:
-    """(block_m, block_n) of the micro-kernel Inductor's template takes for a float32 (rows x k) @ (k x n) on
-    `threads` threads on this CPU, or None where it has no vectorised one (then the blocked format is not offered)."""
+def blocking(rows: int, n: int, k: int, threads: int, dtype: torch.dtype = DTYPE) -> tuple[int, int] | None:
+    """(block_m, block_n) of the micro-kernel Inductor's template takes for a (rows x k) @ (k x n) of `dtype`
+    operands on `threads` threads on this CPU, or None where it has no vectorised one (then the blocked format is not
+    offered)."""
     import torch._inductor.config
 
-    mg = _micro_gemm(rows, n, k, threads, torch._inductor.config.cpp.simdlen)
+    mg = _micro_gemm(rows, n, k, threads, torch._inductor.config.cpp.simdlen, dtype)
     return None if mg is None else (mg.register_blocking.block_m, mg.register_blocking.block_n)
 
 
-def block_n(rows: int, n: int, k: int, threads: int, forced: tuple[int, int] | None = None) -> int | None:
-    """The block_n of a blocked copy for a float32 (rows x k) @ (k x n): Inductor's choice (`blocking`), or the
-    `forced` blocking's where this ISA has it (None where not)."""
+def block_n(rows: int, n: int, k: int, threads: int, forced: tuple[int, int] | None = None,
+            dtype: torch.dtype = DTYPE) -> int | None:
+    """The block_n of a blocked copy for a (rows x k) @ (k x n) of `dtype` operands: Inductor's choice (`blocking`),
+    or the `forced` blocking's where this ISA has it (None where not)."""
     if forced is not None:
         return forced[1] if tuple(forced) in register_blockings() else None
-    b = blocking(rows, n, k, threads)
+    b = blocking(rows, n, k, threads, dtype)
     return None if b is None else b[1]
 
 
 @contextlib.contextmanager
-def only_block_n(bn: int):
-    """Inside: Inductor's float32 micro-kernels are those of block_n `bn` (at most one per ISA)."""
+def _kernels(dtype: torch.dtype, bn: int | None = None):
+    """Inside: Inductor's micro-kernels of `dtype` operands are its vector ones (CppMicroGemmFP32Vec: the blocked
+    layout as it is; not AMX's, which reads its weight VNNI-packed), of block_n `bn` where given."""
     import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
     from torch._inductor.codegen import cpp_micro_gemm as cmg
 
     shipped = {c: list(v) for c, v in cmg.micro_gemm_configs.items()}
     for c, v in shipped.items():
-        cmg.micro_gemm_configs[c] = [x for x in v if not _fp32(x) or x.register_blocking.block_n == bn]
-    _micro_gemm.cache_clear()
+        cmg.micro_gemm_configs[c] = [x for x in v if not _of(x, dtype) or (
+            c is cmg.CppMicroGemmFP32Vec and bn in (None, x.register_blocking.block_n))]
     try:
         yield
     finally:
         cmg.micro_gemm_configs.update(shipped)
+
+
+@contextlib.contextmanager
+def only_block_n(bn: int, dtype: torch.dtype = DTYPE):
+    """Inside: Inductor's micro-kernels of `dtype` operands are its vector ones of block_n `bn` (one per ISA)."""
+    _micro_gemm.cache_clear()
+    try:
+        with _kernels(dtype, bn):
+            yield
+    finally:
         _micro_gemm.cache_clear()
 
 
-def available() -> bool:
-    """Whether Inductor has a vectorised float32 micro-kernel on this CPU."""
+def available(dtype: torch.dtype = DTYPE) -> bool:
+    """Whether Inductor has a vectorised micro-kernel of `dtype` operands (float32 products) on this CPU."""
     try:
-        return block_n(8, 256, 256, 1) is not None
+        return block_n(8, 256, 256, 1, dtype=dtype) is not None
     except Exception:  # (no usable vector ISA or compiler: the format is simply not a candidate)
         return False
 
@@ -241,15 +277,18 @@ def _onednn_linear_add(x, y, w, b, attr, layout=None):  # (Inductor fuses a foll
 
 
 def _blocked_linear(x, w, n, threads):
-    from torch._inductor import config, ir
+    from torch._inductor import config, ir, lowering
     from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
     from torch._inductor.select_algorithm import autotune_select_algorithm
 
+    out_dtype, dtype = x.get_dtype(), w.get_dtype()
+    if dtype != out_dtype:  # (blocked_bf16: x rounded to the weight's dtype, products summed in float32)
+        x = lowering.to_dtype(x, dtype)
     x = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(x))
     w = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(w))
     m, k = x.get_size()
     _, _, bn = w.get_size()
-    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [m, n])
+    layout = ir.FixedLayout(x.get_device(), out_dtype, [m, n])
     # the template reads its weight's [k, n] shape before laying it out; prep_weight then hands it w as is
     stand_in = ir.ReinterpretView(data=w.data if isinstance(w, ir.TensorBox) else w,
                                   layout=ir.FixedLayout(w.get_device(), w.get_dtype(), [k, n], [1, k]))
@@ -258,16 +297,17 @@ def _blocked_linear(x, w, n, threads):
         @classmethod
         def prep_weight(cls, inputs, layout_, micro_gemm, should_block_weight, *args, **kwargs):
             if micro_gemm.register_blocking.block_n != bn:
-                raise RuntimeError(f"blocked weight copy of block_n {bn}: no float32 micro-kernel of Inductor's for "
-                                   f"this CPU's ISA has it ({register_blockings()}); rebuild the bundle on this host")
+                raise RuntimeError(f"blocked weight copy of block_n {bn}: no {str(dtype).split('.')[-1]} micro-kernel "
+                                   f"of Inductor's for this CPU's ISA has it ({register_blockings()}); rebuild the "
+                                   "bundle on this host")
             return [inputs[0], w, *inputs[2:]], layout_
 
         def get_options(self, *args, **kwargs):  # (render's: makes the micro-kernel it generates)
-            with only_block_n(bn):
+            with only_block_n(bn, dtype):
                 return super().get_options(*args, **kwargs)
 
     choices: list = []
-    with config.patch({"cpp.threads": int(threads)}), only_block_n(bn):
+    with config.patch({"cpp.threads": int(threads)}), only_block_n(bn, dtype):
         Preblocked.add_choices(choices, layout, [x, stand_in])
     if len(choices) != 1:
         raise RuntimeError(f"Inductor's CPU GEMM template made {len(choices)} choices for eagle3::blocked_linear")

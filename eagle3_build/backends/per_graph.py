@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import (BLOCKED, FUSED_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name,
-                                     file_entry, torch_dtype)
+from eagle3_runtime.manifest import (BLOCKED_FORMATS, FUSED_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec,
+                                     dtype_name, file_entry, torch_dtype)
 from eagle3_runtime.packing import pack_weight
 
 from ..compile.cache import FETCH_TRIES, CompileCache, graph_key, trace_key, vanishing
@@ -88,7 +88,8 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
         model, rows = bm.models[spec.model][0], graph_rows(pair, spec)
         pack = {r: f for r, f in packs[spec.model].items() if r in rows}
         fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {}),
-                  **({"gemm_threads": threads} if BLOCKED in {gemm.form_parts(f)[0] for f in pack.values()} else {})}
+                  **({"gemm_threads": threads} if set(BLOCKED_FORMATS) & {gemm.form_parts(f)[0] for f in pack.values()}
+                     else {})}
         module, pnames = build_graph_module(spec, model)
         qnames = [bm.bindings[spec.model][n] for n in pnames]
         ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
@@ -124,8 +125,8 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
             module.packable, module.gemm_threads = None, threads
             shapes = [(sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]) for idx, _, _ in module.packed]
             with backend.codegen():  # (the micro-kernel of the ISA the graph is compiled for)
-                blocks = [lowerings.block_n(rows, *shape, threads, forms[rows][1]) if fmt == BLOCKED else None
-                          for shape, (_, rows, fmt) in zip(shapes, module.packed)]
+                blocks = [lowerings.block_n(rows, *shape, threads, forms[rows][1], gemm.BLOCKED_DTYPES[fmt])
+                          if fmt in BLOCKED_FORMATS else None for shape, (_, rows, fmt) in zip(shapes, module.packed)]
             weights += tuple(packed_example(shape, rows, fmt, bn)
                              for shape, (_, rows, fmt), bn in zip(shapes, module.packed, blocks))
             packed = [PackedWeight(weight=qnames[idx[0]], fused=[qnames[i] for i in idx[1:]], rows=rows, format=fmt,
