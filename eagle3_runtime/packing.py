@@ -48,6 +48,7 @@ BF16_FORMATS = (BF16, BLOCKED_BF16)  # the draft's bfloat16 forms
 FORMATS = (*PACK_FORMATS, *BF16_FORMATS)  # every format a graph's packed input may take (manifest PackedWeight)
 # per weight element, of the copy made at load
 ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BLOCKED: 4, BF16: 2, BLOCKED_BF16: 2}
+BLOCKED_DTYPES = {BLOCKED: torch.float32, BLOCKED_BF16: torch.bfloat16}  # a blocked copy's (its GEMM's operands)
 NO_PACK = "EAGLE3_RUNTIME_NO_PACK"
 ONEDNN_ROWS = 8  # the row count oneDNN's copies are laid out for (module doc)
 
@@ -111,7 +112,7 @@ def pack_weight(weight: torch.Tensor, rows: int, fmt: str, block_n: int | None =
     if fmt in BLOCKED_FORMATS:
         if not block_n:
             raise BundleError("a blocked weight copy without its block_n: rebuild the bundle")
-        return block(weight.to(torch.bfloat16) if fmt == BLOCKED_BF16 else weight, block_n)
+        return block(weight.to(BLOCKED_DTYPES[fmt]), block_n)
     if fmt == BF16:
         weight = weight.to(torch.bfloat16)
     if fmt in ONEDNN_FORMATS and onednn_available() and (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from eagle3_runtime.backends.aoti import CPU_ISA_RANK
 from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, GRAPH_FORMATS, dtype_name
-from eagle3_runtime.packing import BF16, BF16_FORMATS, PACK_FORMATS, pack_available
+from eagle3_runtime.packing import BF16, BF16_FORMATS, BLOCKED_DTYPES, PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
@@ -216,7 +216,7 @@ class AotiBackend(PerGraphBackend):
 def buildable(fmt: str) -> bool:
     """Whether graphs built here can take `fmt`-packed weights: this torch makes the copies and, for blocked
     ones, Inductor has a vectorised micro-kernel for this CPU."""
-    return pack_available(fmt) and (fmt not in BLOCKED_FORMATS or lowerings.available(gemm.BLOCKED_DTYPES[fmt]))
+    return pack_available(fmt) and (fmt not in BLOCKED_FORMATS or lowerings.available(BLOCKED_DTYPES[fmt]))
 
 
 def host_vec_isa(cache_root: Path) -> dict:

@@ -31,15 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_runtime.manifest import BLOCKED, BLOCKED_BF16, BLOCKED_FORMATS, ONEDNN_FORMATS
-from eagle3_runtime.packing import FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
+from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, ONEDNN_FORMATS
+from eagle3_runtime.packing import BLOCKED_DTYPES, FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
 from ..files import atomic_write
 from ..models.linear import SMALL_ROWS, linear
 from . import lowerings
 
 PLAIN = "plain"
-BLOCKED_DTYPES = {BLOCKED: torch.float32, BLOCKED_BF16: torch.bfloat16}  # the operands of a blocked format's GEMM
 FORMS = (PLAIN, *FORMATS)
 F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: measured by benchmarks/linear_layout.py, never chosen)
 MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)

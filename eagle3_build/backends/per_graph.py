@@ -16,7 +16,7 @@ import torch
 
 from eagle3_runtime.manifest import (BLOCKED_FORMATS, FUSED_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec,
                                      dtype_name, file_entry, torch_dtype)
-from eagle3_runtime.packing import pack_weight
+from eagle3_runtime.packing import BLOCKED_DTYPES, pack_weight
 
 from ..compile.cache import FETCH_TRIES, CompileCache, graph_key, trace_key, vanishing
 from ..compile.scheduler import (CompileFailed, GraphJob, GraphResult, Scheduler, default_jobs, split_shard,
@@ -125,7 +125,7 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
             module.packable, module.gemm_threads = None, threads
             shapes = [(sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]) for idx, _, _ in module.packed]
             with backend.codegen():  # (the micro-kernel of the ISA the graph is compiled for)
-                blocks = [lowerings.block_n(rows, *shape, threads, forms[rows][1], gemm.BLOCKED_DTYPES[fmt])
+                blocks = [lowerings.block_n(rows, *shape, threads, forms[rows][1], BLOCKED_DTYPES[fmt])
                           if fmt in BLOCKED_FORMATS else None for shape, (_, rows, fmt) in zip(shapes, module.packed)]
             weights += tuple(packed_example(shape, rows, fmt, bn)
                              for shape, (_, rows, fmt), bn in zip(shapes, module.packed, blocks))
