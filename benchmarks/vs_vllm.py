@@ -145,16 +145,25 @@ def chat_stream(client: httpx.Client, url: str, model: str, text: str, max_token
             "tpot": (e2e - (ttft or e2e)) / (n - 1) if n > 1 else None}
 
 
+def warm(c: httpx.Client, server: Server) -> tuple[str, dict]:
+    """A server's model name after one unmeasured request, and its spec-decode counters then."""
+    model = c.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+    chat_stream(c, server.base_url, model, "Say hello.", 8)
+    return model, spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
+
+
+def finish_pass(c: httpx.Client, server: Server, reqs: list[dict], before: dict) -> dict:
+    """One pass: its requests, the counters' change since `before`, the speculation shape being served."""
+    text = c.get(server.base_url + "/metrics").text
+    choice = [line for line in text.splitlines()
+              if line.startswith("eagle3_speculation_shape{") and line.endswith(" 1.0")]
+    return {"requests": reqs, "spec": spec_delta(before, spec_counters(parse_prometheus(text))), "speculation": choice}
+
+
 def run_pass(server: Server, texts: list[str], max_tokens: int, timeout: float) -> dict:
     with httpx.Client(timeout=timeout) as c:
-        model = c.get(server.base_url + "/v1/models").json()["data"][0]["id"]
-        chat_stream(c, server.base_url, model, "Say hello.", 8)  # warm-up (not measured)
-        before = spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
-        reqs = [chat_stream(c, server.base_url, model, t, max_tokens) for t in texts]
-        after = spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
-        choice = [line for line in c.get(server.base_url + "/metrics").text.splitlines()
-                  if line.startswith("eagle3_speculation_shape{") and line.endswith(" 1.0")]
-    return {"requests": reqs, "spec": spec_delta(before, after), "speculation": choice}
+        model, before = warm(c, server)
+        return finish_pass(c, server, [chat_stream(c, server.base_url, model, t, max_tokens) for t in texts], before)
 
 
 def interleaved(servers: dict[str, Server], ip: InProcess | None, texts: list[str], max_tokens: int,
@@ -163,30 +172,19 @@ def interleaved(servers: dict[str, Server], ip: InProcess | None, texts: list[st
     prompt, `gap` seconds of quiet before each request so that an idle server's spinning OpenMP threads have
     stopped): a slow stretch of a shared host hits every contender alike. One pass per server as run_pass
     gives it, and the in-process pass."""
-    names = list(servers) + ([f"{IN_PROCESS} {m}" for m in ip.engines] if ip else [])
-    reqs: dict[str, list[dict]] = {n: [] for n in names}
-    gens: dict[str, list] = {m: [] for m in (ip.engines if ip else ())}
+    reqs: dict[str, list[dict]] = {name: [] for name in servers}
+    gens: dict[str, list] = {mode: [] for mode in (ip.engines if ip else ())}
     with httpx.Client(timeout=timeout) as c:
-        models, before = {}, {}
-        for name, server in servers.items():
-            models[name] = c.get(server.base_url + "/v1/models").json()["data"][0]["id"]
-            chat_stream(c, server.base_url, models[name], "Say hello.", 8)  # warm-up (not measured)
-            before[name] = spec_counters(parse_prometheus(c.get(server.base_url + "/metrics").text))
-        for i, text in enumerate(texts):
-            for name in names[i % len(names):] + names[:i % len(names)]:
+        warmed = {name: warm(c, server) for name, server in servers.items()}
+        turns = [lambda i, name=name, s=server: reqs[name].append(
+                     chat_stream(c, s.base_url, warmed[name][0], texts[i], max_tokens)) for name, server in servers.items()]
+        turns += [lambda i, mode=mode: gens[mode].append(ip.generate(mode, i, max_tokens)) for mode in gens]
+        for i in range(len(texts)):
+            for turn in turns[i % len(turns):] + turns[:i % len(turns)]:
                 time.sleep(gap)
-                if name in servers:
-                    reqs[name].append(chat_stream(c, servers[name].base_url, models[name], text, max_tokens))
-                else:
-                    gens[name.split()[-1]].append(ip.generate(name.split()[-1], i, max_tokens))
+                turn(i)
             print(f"prompt {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
-        passes = {}
-        for name, server in servers.items():
-            text = c.get(server.base_url + "/metrics").text
-            passes[name] = {"requests": reqs[name],
-                            "spec": spec_delta(before[name], spec_counters(parse_prometheus(text))),
-                            "speculation": [line for line in text.splitlines()
-                                            if line.startswith("eagle3_speculation_shape{") and line.endswith(" 1.0")]}
+        passes = {name: finish_pass(c, server, reqs[name], warmed[name][1]) for name, server in servers.items()}
     return passes, ip.record(gens) if ip else None
 
 
