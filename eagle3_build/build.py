@@ -43,6 +43,8 @@ def build_bundle(pair: PairRecipe, out: Path, report: Report | None = None, *, c
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(out.parent, started)
     cache.clean_tmp(started)
+    for note in backend.notes():
+        report({"event": "warning", "message": note})
     report({"event": "stage", "stage": "load"})
     lp = load_pair(pair)
     written = []
@@ -102,7 +104,8 @@ def _finish_bundle(bm: BuildModels, root: Path, backend, report: Report, written
         bos_token_id=t.bos_token_id, draft_format=d.format, recipe=pair.model_dump(mode="json"),
         sources={"target": t.source.record(), "draft": d.source.record()},
         toolchain=toolchain(backend), models=written.models, state=[bm.state["target"], bm.state["draft"]],
-        kv_layout=list(KV_DIMS), graphs=written.graphs, files=[file_entry(root, f) for f in sorted(files)], notes=d.notes,
+        kv_layout=list(KV_DIMS), graphs=written.graphs, files=[file_entry(root, f) for f in sorted(files)],
+        notes=d.notes + backend.notes(),
         build={**written.build, "host": platform.node()})
     manifest.digest = manifest.compute_digest()
     (root / MANIFEST).write_text(manifest.model_dump_json(indent=2))

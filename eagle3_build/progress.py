@@ -77,6 +77,8 @@ class RichReporter:
             self.live.console.line()
 
     def __call__(self, ev: dict) -> None:
+        if ev["event"] == "warning":
+            self.live.console.print(f"warning: {ev['message']}", style="yellow", highlight=False, markup=False)
         self.state.update(ev)
 
     def __rich__(self):
@@ -129,6 +131,9 @@ class LineReporter:
 
     def __call__(self, ev: dict) -> None:
         s = self.state
+        if ev["event"] == "warning":
+            self._print(f"{s.pair}: warning: {ev['message']}")
+            return
         if ev["event"] == "stage":
             self._stage_done()
             s.update(ev)

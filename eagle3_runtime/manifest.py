@@ -450,13 +450,6 @@ def kv_cache_length(max_model_len: int, scratch: int) -> int:
     return -(-need // KV_ALIGN) * KV_ALIGN
 
 
-# ------------------------------------------------------------------ Neuron SDK
-
-# the SDK's packages: import name -> (key in a manifest's toolchain record, pip name)
-NEURON_SDK = {"torch_neuronx": ("torch_neuronx", "torch-neuronx"), "neuronxcc": ("neuronx_cc", "neuronx-cc"),
-              "libneuronxla": ("libneuronxla", "libneuronxla"),
-              "neuronx_distributed": ("neuronx_distributed", "neuronx-distributed")}
-
 MAX_DIM = 1 << 40  # no real tensor dimension comes near this; a manifest that says so is refused
 Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
 Count = Annotated[int, Field(ge=1, le=1 << 24)]

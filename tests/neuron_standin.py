@@ -551,30 +551,81 @@ class StandInModelBuilder016(StandInModelBuilder):
         return super().trace(initialize_model_weights, dry_run)
 
 
-BUILDERS = {None: StandInModelBuilder, "2.29": StandInModelBuilder, "2.27": StandInModelBuilder016}
+def builder_class(release: str):
+    return StandInModelBuilder016 if release.startswith("2.27.") else StandInModelBuilder
 
 
-def install(monkeypatch, neuronx=None, device_dir=None, release: str | None = None) -> StandInNeuronx:
-    """Put the stand-in where `import torch_neuronx` / `neuronx_distributed` (and the SDK presence checks)
-    find it; torch.jit.save / load handle its executor. `release` ("2.27", "2.29"): the packages report that
-    SDK release's versions and ModelBuilder has its `trace` signature; None: stand-in versions."""
+# ------------------------------------------------------------------ the SDK as pip lays it out
+
+MODULES = {"torch-neuronx": "torch_neuronx", "neuronx-cc": "neuronxcc", "libneuronxla": "libneuronxla",
+           "neuronx-distributed": "neuronx_distributed", "neuronx-distributed-inference": "neuronx_distributed_inference"}
+
+
+def release_versions(release: str, *, torch: str = "2.9") -> dict[str, str]:
+    """pip name -> the version of each SDK package in `release` (its torch-neuronx for `torch`; the 2.x libneuronxla)."""
     from eagle3_build.backends.neuron.releases import RELEASES
 
-    def version(pip: str) -> str:
-        return RELEASES[release][pip] if release else VERSION
+    row = RELEASES[release]
+    pick = {"torch-neuronx": lambda v: v.startswith(torch + "."), "libneuronxla": lambda v: v.startswith("2.")}
+    return {pip: next(v for v in reversed(row[pip]) if pick.get(pip, lambda v: True)(v)) for pip in MODULES}
 
+
+def source_version(pip: str, wheel: str) -> str | None:
+    """The `__version__` a package's own source declares: NxD and NxD Inference write major.minor.0 in
+    _version.py and their setup.py builds the wheel's patch from VERSION_PATCH (neuronx-distributed v2.27.0:
+    "0.16.0" for wheel 0.16.25997); libneuronxla declares none (the issue's report); torch-neuronx's public
+    copy (1.13) declares its wheel version."""
+    if pip in ("neuronx-distributed", "neuronx-distributed-inference"):
+        return ".".join(wheel.split(".")[:2]) + ".0"
+    return None if pip == "libneuronxla" else wheel
+
+
+def lay_out_sdk(site: Path, versions: dict[str, str], *, modules: bool = True, summary: str = "") -> Path:
+    """`site` as `pip install` leaves it: one <name>-<version>.dist-info per distribution (METADATA, INSTALLER,
+    RECORD, top_level.txt) and, with `modules`, each package's __init__.py with its source's __version__."""
+    site.mkdir(parents=True, exist_ok=True)
+    for pip, version in versions.items():
+        mod = MODULES[pip]
+        files = []
+        if modules:
+            pkg = site / mod
+            pkg.mkdir(exist_ok=True)
+            declared = source_version(pip, version)
+            (pkg / "__init__.py").write_text("" if declared is None else f"__version__ = {declared!r}\n")
+            files.append(f"{mod}/__init__.py")
+        info = site / f"{pip.replace('-', '_')}-{version}.dist-info"  # (pip: the project name, normalised)
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {pip}\nVersion: {version}\n"
+                                       f"Summary: {summary or 'AWS Neuron SDK package'}\n\n")
+        (info / "INSTALLER").write_text("pip\n")
+        (info / "top_level.txt").write_text(mod + "\n")
+        files += [f"{info.name}/{n}" for n in ("METADATA", "INSTALLER", "top_level.txt", "RECORD")]
+        (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+    return site
+
+
+def install(monkeypatch, tmp: Path, neuronx=None, release: str | None = None, versions: dict | None = None
+            ) -> StandInNeuronx:
+    """Put the stand-in where `import torch_neuronx` / `neuronx_distributed` find it and its distributions'
+    metadata where importlib.metadata does (a site directory under `tmp`, as pip lays a release out: `release`,
+    default the newest the table knows, or `versions` pip name -> version); ModelBuilder has that release's
+    `trace` signature; torch.jit.save / load handle its executor; NeuronCore locks live under `tmp`."""
+    from eagle3_build.backends.neuron.releases import NEWEST
+
+    release = release or NEWEST
+    versions = versions or release_versions(release)
+    site = lay_out_sdk(Path(tmp) / "site-packages", versions, modules=False)
+    monkeypatch.syspath_prepend(str(site))
     neuronx = neuronx or StandInNeuronx()
     mod = types.ModuleType("torch_neuronx")
-    mod.__version__, mod.trace, mod.replace_weights = version("torch-neuronx"), neuronx.trace, neuronx.replace_weights
+    mod.__version__, mod.trace, mod.replace_weights = versions["torch-neuronx"], neuronx.trace, neuronx.replace_weights
     monkeypatch.setitem(sys.modules, "torch_neuronx", mod)
-    for name, pip in (("neuronxcc", "neuronx-cc"), ("libneuronxla", "libneuronxla")):
-        m = types.ModuleType(name)
-        m.__version__ = version(pip)
-        monkeypatch.setitem(sys.modules, name, m)
+    for name in ("neuronxcc", "libneuronxla"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     nxd = types.ModuleType("neuronx_distributed")
-    nxd.__version__ = version("neuronx-distributed")
+    nxd.__version__ = source_version("neuronx-distributed", versions["neuronx-distributed"])
     trace_pkg, mb = types.ModuleType("neuronx_distributed.trace"), types.ModuleType("neuronx_distributed.trace.model_builder")
-    mb.ModelBuilder, mb.BaseModelInstance = BUILDERS[release], BaseModelInstance
+    mb.ModelBuilder, mb.BaseModelInstance = builder_class(release), BaseModelInstance
     layers_pkg = types.ModuleType("neuronx_distributed.parallel_layers")
     mappings = types.ModuleType("neuronx_distributed.parallel_layers.mappings")
     mappings.reduce_from_tensor_model_parallel_region = reduce_from_tensor_model_parallel_region
@@ -584,12 +635,6 @@ def install(monkeypatch, neuronx=None, device_dir=None, release: str | None = No
                     ("neuronx_distributed.trace.model_builder", mb), ("neuronx_distributed.parallel_layers", layers_pkg),
                     ("neuronx_distributed.parallel_layers.mappings", mappings)]:
         monkeypatch.setitem(sys.modules, name, m)
-    import importlib.util
-
-    sdk = ("torch_neuronx", "neuronxcc", "libneuronxla", "neuronx_distributed")
-    real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda n, *a: (sys.modules[n].__spec__ or object()) if n in sdk else real_find(n, *a))
     real_save, real_load = torch.jit.save, torch.jit.load
 
     def save(m, f, *a, **kw):
@@ -607,11 +652,7 @@ def install(monkeypatch, neuronx=None, device_dir=None, release: str | None = No
 
     monkeypatch.setattr(torch.jit, "save", save)
     monkeypatch.setattr(torch.jit, "load", load)
-    if device_dir is not None:
-        monkeypatch.setenv("NEURON_STANDIN_DEVICE_DIR", str(device_dir))
-    import eagle3_runtime.backends.neuron as rn
-
-    monkeypatch.setattr(rn, "installed_versions", lambda: {k: version(rn.PIP_NAMES[k]) for k in rn.SDK.values()})
+    monkeypatch.setenv("NEURON_STANDIN_DEVICE_DIR", str(Path(tmp) / "neuron-cores"))
     StandInModelBuilder.instances.clear()
     return neuronx
 
@@ -619,6 +660,6 @@ def install(monkeypatch, neuronx=None, device_dir=None, release: str | None = No
 @pytest.fixture
 def standin_sdk(monkeypatch, tmp_path):
     neuronx = StandInNeuronx()
-    install(monkeypatch, neuronx, device_dir=tmp_path / "neuron-cores")
+    install(monkeypatch, tmp_path / "standin-sdk", neuronx)
     monkeypatch.setenv("NEURON_RT_NUM_CORES", "8")
     return neuronx

@@ -98,13 +98,13 @@ def test_spmd_bundle_decodes_like_transformers(standin_sdk, tmp_path, tp, arch):
             assert set(sd) == set(m.models[name].tensors)
         assert (out / f"graphs/{name}.pt").stat().st_size < 2e6  # graphs only: no weights inside
     assert all(i.dtype == "int32" for g in m.graphs for i in g.inputs[1:] if i.name not in ("aux", "hidden"))
-    assert m.toolchain["neuronx_distributed"] == "0.0.0-standin"
+    assert m.toolchain["neuronx_distributed"] == "0.19.28492"  # the wheel's version (its module says 0.19.0)
     shown = run_cli("eagle3-build", "inspect", str(out)).stdout
     assert "neuronx-cc target_prefill:" in shown and "tp0_sharded_checkpoint" in shown
     for name in m.models:  # the backend's lines: one NxD model per model, its keys and KV moves
         keys = ", ".join(sorted({g.role for g in m.graphs if g.model == name}))
         assert f"nxd model graphs/{name}.pt" in shown and f"keys {keys}, kv_move" in shown
-    assert m.toolchain["neuron_sdk_release"] == "unknown"  # (the stand-in's own versions: no release)
+    assert m.toolchain["neuron_sdk_release"] == "2.31.1"  # (the stand-in lays out the newest release by default)
 
     # one process drives every rank; continuous batching moves KV rows on the device
     outs, moves = serve_batch(Bundle(out))
@@ -154,7 +154,7 @@ def old_design_graph(tmp_path, tp):
 def test_standin_catches_the_old_design(monkeypatch, tmp_path, check, tp, needle):
     from neuron_old_design import compile_old
 
-    install(monkeypatch, StandInNeuronx(strict={check}))
+    install(monkeypatch, tmp_path / "sdk", StandInNeuronx(strict={check}))
     ep = old_design_graph(tmp_path, tp)
     from eagle3_build.compile.tracing import tracing_process_group
 

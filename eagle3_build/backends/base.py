@@ -9,37 +9,27 @@ so a missing SDK fails in well under a second.
 from __future__ import annotations
 
 import abc
-import importlib.metadata
 from dataclasses import dataclass
-import importlib.util
 from pathlib import Path
 from typing import ClassVar
 
-from eagle3_runtime import manifest
+from eagle3_runtime import neuron_sdk
 from eagle3_runtime.manifest import BACKENDS
 
 from ..errors import UserError
+from .neuron.releases import NEWEST, OLDEST, install_hint
 
-NEURON_SDK = {mod: pip for mod, (_, pip) in manifest.NEURON_SDK.items()}  # import name -> pip name
+NEURON_SDK = {mod: pip for mod, (_, pip) in neuron_sdk.NEURON_SDK.items()}  # import name -> pip name
 NEURON_INSTALL_HINT = (
-    "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host "
-    f"(pip install --extra-index-url https://pip.repos.neuron.amazonaws.com {' '.join(NEURON_SDK.values())}, "
-    "or `pip install 'eagle3-build[neuron-2-29]'` with that index: one SDK release's stack, "
-    "eagle3_build/backends/neuron/releases.py; PyPI only has placeholder packages by those names)")
+    "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host, one release's "
+    f"stack whole: {install_hint(NEWEST)} (an extra per release {OLDEST} to {NEWEST}, "
+    "eagle3_build/backends/neuron/release_table.py; PyPI only has placeholder packages by those names)")
 
 
 def missing_neuron_sdk() -> list[str]:
     """The SDK packages that are absent, or are PyPI's "WRONG PACKAGE" placeholders (found, but importing
     them raises); read from the installed metadata, without importing anything."""
-    return [dist for mod, dist in NEURON_SDK.items() if importlib.util.find_spec(mod) is None or _placeholder(dist)]
-
-
-def _placeholder(dist: str) -> bool:
-    try:
-        meta = importlib.metadata.metadata(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return "WRONG PACKAGE" in f"{meta.get('Summary', '')} {meta.get_payload() or ''}"
+    return neuron_sdk.missing()
 
 
 def preflight(name: str) -> None:
@@ -132,6 +122,10 @@ class Backend(abc.ABC):
     def toolchain(self) -> dict[str, str]:
         """Extra entries for the manifest's toolchain record."""
         return {}
+
+    def notes(self) -> list[str]:
+        """What the build must say about this toolchain (each a warning) and record in the manifest's notes."""
+        return []
 
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per compile worker) before the first compile."""

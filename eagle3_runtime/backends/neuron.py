@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib
 import io
 import os
 import shlex
@@ -31,13 +30,14 @@ from pathlib import Path
 import torch
 
 from ..errors import Eagle3Error
-from ..manifest import (GRAPH_FORMATS, MANIFEST, NEURON_SDK, BundleError, FileEntry, Manifest, all_shapes,
+from .. import neuron_sdk
+from ..manifest import (GRAPH_FORMATS, MANIFEST, BundleError, FileEntry, Manifest, all_shapes,
                         torch_dtype)
 from ..reader import bundle_file
 from .base import BACKEND, BAD_BUNDLE, DEVICE, Check, Graph, RuntimeBackend, TPContext, world_size
 
-SDK = {mod: key for mod, (key, _) in NEURON_SDK.items()}  # import name -> toolchain key
-PIP_NAMES = dict(NEURON_SDK.values())  # toolchain key -> pip name
+SDK = {mod: key for mod, (key, _) in neuron_sdk.NEURON_SDK.items()}  # import name -> toolchain key
+PIP_NAMES = dict(neuron_sdk.NEURON_SDK.values())  # toolchain key -> pip name
 PHYSICAL_CORES_PER_DEVICE = {"trn2": 8, "trn1": 2, "inf2": 2}
 DEFAULT_LNC = {"trn2": 2, "trn1": 1, "inf2": 1}
 
@@ -200,13 +200,9 @@ class NeuronHostError(Eagle3Error):
 
 
 def installed_versions() -> dict[str, str]:
-    out = {}
-    for mod, key in SDK.items():
-        try:
-            out[key] = str(getattr(importlib.import_module(mod), "__version__", "unknown"))
-        except Exception:
-            pass
-    return out
+    """toolchain key -> installed version of each Neuron SDK package that is installed (not a placeholder)."""
+    found = neuron_sdk.installed_versions()
+    return {key: found[pip] for key, pip in PIP_NAMES.items() if pip in found}
 
 
 def logical_cores(target: str, lnc: int, environ: dict, devices: list[str]) -> int:
@@ -231,6 +227,7 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
     """Raise NeuronHostError with the fix when this host cannot run the bundle."""
     environ = os.environ if environ is None else environ
     devices = sorted(glob.glob("/dev/neuron[0-9]*")) if devices is None else devices
+    probe_imports = versions is None
     versions = installed_versions() if versions is None else versions
     tc = m.toolchain
     needed = list(SDK.values())
@@ -241,6 +238,13 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
                               f"{'is' if len(missing) == 1 else 'are'} not installed; install the Neuron SDK it was "
                               f"built with ({pins}) from the Neuron pip repository (pip.repos.neuron.amazonaws.com) "
                               "or rebuild the recipe with backend export")
+    if probe_imports:  # installed, but broken (a missing libnrt, a half-removed wheel): one line, not a traceback
+        for mod, key in SDK.items():
+            why = neuron_sdk.import_failure(mod)
+            if why:
+                raise NeuronHostError(f"{PIP_NAMES[key]} {versions[key]} is installed but `import {mod}` raised {why}; "
+                                      f"reinstall it and the Neuron runtime libraries it loads (aws-neuronx-runtime-lib "
+                                      "for libnrt) from the Neuron pip / apt repositories")
     release = tc.get("neuron_sdk_release")
     stack = ""
     if release not in (None, "unknown"):

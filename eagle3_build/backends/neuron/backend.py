@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime import manifest
+from eagle3_runtime.neuron_sdk import NEURON_SDK, NXDI
 from eagle3_runtime.backends.neuron import COMPACT_FIELD, KV_COMPACT, KV_MOVE, NXD_FORMAT
 from eagle3_runtime.manifest import ROLES
 
@@ -18,7 +18,7 @@ from ...errors import UserError
 from ...recipe import check_backend_options
 from ..base import Backend
 from . import bundle
-from .releases import release_of
+from .releases import SDK_PACKAGES, identify
 from .model import (INDEX_DTYPE, NAME, SUFFIX, ModelGraphs, _no_checkpoint, compiler_args, flag_value, key_instance,
                     key_module, key_role, neuron_devices, neuronx_cc_command, priority_role, sdk_versions,
                     spec_key)
@@ -33,7 +33,8 @@ class NeuronBackend(Backend):
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
-        self.release = release_of(self.versions)  # (a mixed stack is refused here)
+        self.sdk = identify(self.versions)  # (a mixed stack is refused here)
+        self.release = self.sdk.name
         self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE, KV_COMPACT]}
         first = next(iter(self.role_args.values()))
         self.target = flag_value(first, "--target") or "trn2"
@@ -47,7 +48,9 @@ class NeuronBackend(Backend):
         return self.versions["torch-neuronx"]
 
     def toolchain(self) -> dict[str, str]:
-        versions = {key: self.versions[pip] for key, pip in manifest.NEURON_SDK.values()}
+        versions = {key: self.versions[pip] for key, pip in NEURON_SDK.values()}
+        if NXDI in self.versions:  # (not used by the build: it names the release where two share the rest)
+            versions[NXDI.replace("-", "_")] = self.versions[NXDI]
         return {**versions, "neuron_sdk_release": self.release, "neuron_target": self.target,
                 "neuron_lnc": str(self.lnc)}
 
@@ -55,7 +58,11 @@ class NeuronBackend(Backend):
     ESTIMATE_S = 600.0  # neuronx-cc for a decode-sized graph
 
     def key_fields(self, role: str) -> dict:
-        return {"name": NAME, "versions": self.versions, "compiler_args": self.role_args[role]}
+        return {"name": NAME, "versions": {pip: self.versions[pip] for pip in SDK_PACKAGES},
+                "compiler_args": self.role_args[role]}
+
+    def notes(self) -> list[str]:
+        return [self.sdk.warning] if self.sdk.warning else []
 
     def compile_model(self, mg: ModelGraphs, tp: int, out_dir: Path) -> dict:
         """Trace and compile every key of one model with ModelBuilder into out_dir/<model>.pt plus

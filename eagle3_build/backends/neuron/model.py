@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import glob
-import importlib
 import os
 import shlex
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eagle3_runtime import neuron_sdk
 from eagle3_runtime.manifest import PREFILL_ROLES, ROLES, index_dtype, torch_dtype
 from eagle3_runtime.backends.neuron import (KV_COMPACT, KV_MOVE, PLACEHOLDER_DTYPE, compact_pairs,
                                             kv_compact_inputs, kv_move_inputs, nxd_key, routing_signature)
@@ -152,21 +152,16 @@ def neuron_devices() -> list[str]:
 
 
 def sdk_versions() -> dict[str, str]:
-    """Versions of the installed Neuron SDK packages (UserError naming what is missing or fails to import)."""
+    """pip name -> installed version of each Neuron SDK package (and NxD Inference where installed), from
+    the distributions' metadata; UserError naming what is missing, a placeholder, or fails to import."""
     preflight(NAME)
-    return {dist: str(getattr(_import_sdk(mod, dist), "__version__", "unknown")) for mod, dist in NEURON_SDK.items()}
-
-
-def _import_sdk(mod: str, dist: str):
-    """Import one SDK package; one that is there but fails to import (a placeholder without its metadata, a
-    missing runtime library such as libnrt.so.1, a broken install) is a UserError naming it and the fix."""
-    try:
-        return importlib.import_module(mod)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise UserError(f"backend neuron needs {dist}, which is installed but broken (it fails to import): "
-                        f"`import {mod}` raised {type(e).__name__}({first!r}); reinstall it, and the Neuron runtime "
-                        f"libraries it loads (aws-neuronx-runtime-lib for libnrt): {NEURON_INSTALL_HINT}") from e
+    for mod, dist in NEURON_SDK.items():
+        why = neuron_sdk.import_failure(mod)
+        if why:
+            raise UserError(f"backend neuron needs {dist}, which is installed but broken: `import {mod}` raised {why}; "
+                            f"reinstall it, and the Neuron runtime libraries it loads (aws-neuronx-runtime-lib for "
+                            f"libnrt): {NEURON_INSTALL_HINT}")
+    return neuron_sdk.installed_versions()
 
 
 
