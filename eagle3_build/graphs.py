@@ -56,7 +56,8 @@ def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape],
 # ---------------------------------------------------------------- role modules
 
 def _last(h: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    return h[torch.arange(h.shape[0], device=h.device, dtype=last.dtype), last]
+    """h[i, last[i]] for every row i (a gather: on the XLA device an advanced index widens indices to s64)."""
+    return h.gather(1, last.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))[:, 0]
 
 
 def _rows(b: int, T: int, like: torch.Tensor) -> torch.Tensor:

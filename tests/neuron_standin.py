@@ -148,13 +148,39 @@ def claim_cores(n: int) -> list[int]:
 # ------------------------------------------------------------------ checks
 
 class _OpRecorder(TorchDispatchMode):
+    """The ops a call runs and the tensors they read (by identity: which Parameters a graph uses)."""
+
     def __init__(self):
         super().__init__()
-        self.ops = set()
+        self.ops, self.tensors = set(), set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.add(str(func))
+        self.tensors.update(id(a) for a in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                            if isinstance(a, torch.Tensor))
         return func(*args, **(kwargs or {}))
+
+
+COMPILES = {"running": 0, "most": 0, "calls": 0}  # neuronx-cc jobs at once in this process (the stand-in's)
+_COMPILES_LOCK = threading.Lock()
+
+
+def neuron_xla_compile(module_bytes, compiler_flags, input_format="hlo", platform_target=None, cache_key=None,
+                       retry_failed_compilation=False, lazy=True, use_cache=True, cache_dir=None, work_dir=None,
+                       create_subdir=True):
+    """libneuronxla.neuron_xla_compile: one neuronx-cc job; returns the NEFF's bytes."""
+    import time
+
+    with _COMPILES_LOCK:
+        COMPILES["running"] += 1
+        COMPILES["calls"] += 1
+        COMPILES["most"] = max(COMPILES["most"], COMPILES["running"])
+    try:
+        time.sleep(0.02)  # a job takes time: concurrent ones overlap
+        return b"NEFF stand-in " + module_bytes
+    finally:
+        with _COMPILES_LOCK:
+            COMPILES["running"] -= 1
 
 
 def check_aliases(func, example_inputs, aliases) -> None:
@@ -168,7 +194,10 @@ def check_aliases(func, example_inputs, aliases) -> None:
             raise ValueError(f"input_output_aliases: the state tensor {list(key.shape)} is also an example input; "
                              "Neuron state lives on the device as a module Parameter and is never a call argument")
         if not any(key is p for p in params):
-            raise ValueError(f"input_output_aliases: key {list(key.shape)} is not a Parameter of the traced module")
+            raise ValueError(f"input_output_aliases: key {list(key.shape)} is not a Parameter of the traced module "
+                             "(generate_hlo moves the module to the XLA device and back, which makes every Parameter a "
+                             "new object: a dict made for an earlier bucket names Parameters the module no longer has; "
+                             "build it in get(), once per bucket, as NxDI's DecoderModelInstance.get does)")
         if not isinstance(index, int):
             raise ValueError(f"input_output_aliases: output index {index!r} is not an int")
 
@@ -313,76 +342,130 @@ class StandInModelBuilder:
         if os.path.exists(self.compiler_workdir):
             shutil.rmtree(self.compiler_workdir)  # (the real ModelBuilder does this)
         _register_ops()
-        graphs, first, routes, arity = {}, None, {}, None
+        self.cwd = os.getcwd()  # where the layout step writes its temporary HLO files
+        self.hlos, self.first, self.routes, self.arity = {}, None, {}, None
         _TP["size"] = self.tp_degree
         try:
-            for key, c in self.model_collection.items():
+            for key, c in self.model_collection.items():  # _generate_hlo: load_module once, get() per bucket
                 c["instance"].load_module()
                 for i, example in enumerate(c["examples"]):
                     module, aliases = c["instance"].get(i)
-                    n_args = _signature_ok(module)
-                    if arity is None:
-                        arity = n_args
-                    if n_args != arity or len(example) != arity:
-                        raise ValueError(f"{key} bucket {i}: {len(example)} inputs, key #1 takes {arity}: NxD's executor "
-                                         "is traced with one example tuple, every key must take the same inputs")
-                    check_aliases(module, example, aliases)
-                    for x in example:
-                        if any(x.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() and p.numel()
-                               for p in module.parameters()):
-                            raise ValueError(f"{key} bucket {i}: an example input shares storage with a module "
-                                             "Parameter; state and weights live on the device, never as inputs")
-                    sig = routing_signature(example)
-                    if sig in routes:
-                        raise ValueError(f"{key} bucket {i} has the same input shapes {sig} as {routes[sig]}: NxD routes "
-                                         "by input shapes alone and the later one would silently replace it")
-                    routes[sig] = f"{key} bucket {i}"
-                    states = {id(k) for k in aliases}
-                    named = list(module.named_parameters())
-                    weights = _specs((n, p) for n, p in named if id(p) not in states)
-                    state_specs = _specs((n, p) for n, p in named if id(p) in states)
-                    versions = {n: p._version for n, p in named}
-                    rec = _OpRecorder()
-                    with torch.no_grad(), rec:
-                        outs = module(*example)
-                    check_no_functional_collectives(rec.ops)
-                    mutated = [n for n, p in named if p._version != versions[n]]
-                    if mutated:
-                        raise ValueError(f"{key} bucket {i}: Parameter(s) {mutated[:3]} mutated in place; a Neuron "
-                                         "state is updated functionally and returned as its aliased output")
-                    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-                    if any(not 0 <= idx < len(outs) for idx in aliases.values()):
-                        raise ValueError(f"{key} bucket {i}: an alias points past the {len(outs)} outputs")
-                    for p, idx in aliases.items():
-                        if list(outs[idx].shape) != list(p.shape) or outs[idx].dtype != p.dtype:
-                            raise ValueError(f"{key} bucket {i}: output {idx} {list(outs[idx].shape)} {outs[idx].dtype} "
-                                             f"cannot update state {list(p.shape)} {p.dtype}")
-                    n_user = len(outs) - len(aliases)
-                    this = {"weights": weights, "states": state_specs, "n_user": n_user}
-                    if first is None:
-                        first = this
-                    for what in ("weights", "states", "n_user"):
-                        if this[what] != first[what]:
-                            raise ValueError(f"{key} bucket {i}: its {what} differ from key #1 bucket 0's; NxD shards, "
-                                             "initialises states and packs outputs with key #1's")
-                    with torch.no_grad():
-                        traced = torch.jit.trace(module, example, check_trace=False, strict=False)
-                    names = {id(p): n for n, p in named}
-                    graphs[(key, i)] = {
-                        "traced": traced, "route": sig, "dtypes": [str(x.dtype) for x in example],
-                        "aliases": {names[id(p)]: idx for p, idx in aliases.items()}}
-                    bucket_dir = Path(self.compiler_workdir, key, f"_tp0_bk{i}")
-                    bucket_dir.mkdir(parents=True, exist_ok=True)
-                    (bucket_dir / "graph.neff").write_bytes(f"NEFF stand-in {key} {i}".encode())
-                    log = f" --logfile={bucket_dir / 'log-neuron-cc.txt'}"
-                    c.setdefault("bucket_args", []).append(c["compiler_args"] + log)
+                    self.hlos[(key, i)] = self._generate_hlo(key, i, module, aliases, example)
+                    _device_round_trip(module)
                 if len(c["examples"]) == 1:  # generate_hlo(preserve_parameters=False): the weights are dropped
                     _throw_away_parameters(c["instance"].get(0)[0])
         finally:
             _TP["size"] = None
+        self._optimize_layout()
         if dry_run:
             return None
-        return StandInExecutor(StandInNxDModel(graphs, first, self.tp_degree))
+        self._compile()
+        return StandInExecutor(StandInNxDModel(self.hlos, self.first, self.tp_degree))
+
+    def _generate_hlo(self, key: str, i: int, module, aliases: dict, example: tuple) -> dict:
+        """torch_neuronx.xla_impl.trace.generate_hlo of one bucket, with the checks the real stack makes (or
+        silently needs): one arity, aliases naming the module's own Parameters, no state passed as an input,
+        one route per input-shape list, no in-place state update, key #1's weights / states / outputs."""
+        n_args = _signature_ok(module)
+        if self.arity is None:
+            self.arity = n_args
+        if n_args != self.arity or len(example) != self.arity:
+            raise ValueError(f"{key} bucket {i}: {len(example)} inputs, key #1 takes {self.arity}: NxD's executor "
+                             "is traced with one example tuple, every key must take the same inputs")
+        check_aliases(module, example, aliases)
+        for x in example:
+            if any(x.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() and p.numel()
+                   for p in module.parameters()):
+                raise ValueError(f"{key} bucket {i}: an example input shares storage with a module "
+                                 "Parameter; state and weights live on the device, never as inputs")
+        sig = routing_signature(example)
+        if sig in self.routes:
+            raise ValueError(f"{key} bucket {i} has the same input shapes {sig} as {self.routes[sig]}: NxD routes "
+                             "by input shapes alone and the later one would silently replace it")
+        self.routes[sig] = f"{key} bucket {i}"
+        states = {id(k) for k in aliases}
+        named = list(module.named_parameters())
+        weights = _specs((n, p) for n, p in named if id(p) not in states)
+        state_specs = _specs((n, p) for n, p in named if id(p) in states)
+        versions = {n: p._version for n, p in named}
+        rec = _OpRecorder()
+        with torch.no_grad(), rec:
+            outs = module(*example)
+        check_no_functional_collectives(rec.ops)
+        mutated = [n for n, p in named if p._version != versions[n]]
+        if mutated:
+            raise ValueError(f"{key} bucket {i}: Parameter(s) {mutated[:3]} mutated in place; a Neuron "
+                             "state is updated functionally and returned as its aliased output")
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        if any(not 0 <= idx < len(outs) for idx in aliases.values()):
+            raise ValueError(f"{key} bucket {i}: an alias points past the {len(outs)} outputs")
+        for p, idx in aliases.items():
+            if list(outs[idx].shape) != list(p.shape) or outs[idx].dtype != p.dtype:
+                raise ValueError(f"{key} bucket {i}: output {idx} {list(outs[idx].shape)} {outs[idx].dtype} "
+                                 f"cannot update state {list(p.shape)} {p.dtype}")
+        this = {"weights": weights, "states": state_specs, "n_user": len(outs) - len(aliases)}
+        self.first = self.first or this
+        for what in ("weights", "states", "n_user"):
+            if this[what] != self.first[what]:
+                raise ValueError(f"{key} bucket {i}: its {what} differ from key #1 bucket 0's; NxD shards, "
+                                 "initialises states and packs outputs with key #1's")
+        with torch.no_grad():
+            traced = torch.jit.trace(module, example, check_trace=False, strict=False)
+        names = {id(p): n for n, p in named}
+        return {"traced": traced, "route": sig, "dtypes": [str(x.dtype) for x in example],
+                "aliases": {names[id(p)]: idx for p, idx in aliases.items()},
+                "reads": {n for n, p in named if id(p) in rec.tensors and id(p) not in states}}
+
+    def _optimize_layout(self) -> None:
+        """Weight-layout optimisation (WLO): the priority bucket's HLO marks the weights it reads, their
+        suggested layout is applied to every other HLO and a layout-transform NEFF changes them at load. A
+        weight the priority HLO does not read keeps its checkpoint layout everywhere (`unoptimized`). The real
+        step writes `<key>_<bucket>.hlo` / `_optimized.hlo` into the CURRENT directory and removes them
+        (model_builder.py _add_layout_optimization_to_remaining_hlo): a second builder in the same directory
+        would overwrite or delete the first one's files, so this refuses a file that is already there."""
+        prio = [(key, c["priority"]) for key, c in self.model_collection.items() if c["priority"] is not None]
+        self.layout_weights, self.unoptimized = set(), {}
+        if not prio:
+            return
+        self.layout_weights = self.hlos[prio[0]]["reads"]
+        for (key, i), h in self.hlos.items():
+            for w in sorted(h["reads"] - self.layout_weights):
+                self.unoptimized.setdefault(w, []).append(f"{key} bucket {i}")
+        for (key, i) in self.hlos:
+            if (key, i) == prio[0]:
+                continue
+            files = [Path(f"{key}_{i}.hlo"), Path(f"{key}_{i}_optimized.hlo")]
+            for f in files:
+                if f.exists():
+                    raise RuntimeError(f"{Path.cwd() / f} already exists: another ModelBuilder optimises weight layout "
+                                       "in this working directory and one would overwrite or remove the other's HLO")
+                f.write_bytes(b"HLO stand-in")
+            for f in files:
+                f.unlink()
+
+    def _compile(self) -> None:
+        """The priority bucket first, then every other bucket through an unbounded ThreadPoolExecutor calling
+        the module-level `neuron_xla_compile` (model_builder.py trace(), NxD 0.16-0.18)."""
+        import concurrent.futures
+
+        compile_fn = sys.modules["neuronx_distributed.trace.model_builder"].neuron_xla_compile
+        jobs = {}
+        with concurrent.futures.ThreadPoolExecutor() as pool:
+            for key, c in self.model_collection.items():
+                for i in range(len(c["examples"])):
+                    bucket_dir = Path(self.compiler_workdir, key, f"_tp0_bk{i}")
+                    bucket_dir.mkdir(parents=True, exist_ok=True)
+                    args = c["compiler_args"] + f" --logfile={bucket_dir / 'log-neuron-cc.txt'}"
+                    c.setdefault("bucket_args", []).append(args)
+                    if i == c["priority"]:
+                        (bucket_dir / "graph.neff").write_bytes(f"NEFF stand-in {key} {i}".encode())
+                        continue
+                    jobs[pool.submit(compile_fn, module_bytes=f"{key} {i}".encode(), compiler_flags=args,
+                                     input_format="hlo", platform_target="trn2", cache_key=f"{key}_{i}",
+                                     retry_failed_compilation=False, lazy=True, use_cache=True, cache_dir=None,
+                                     work_dir=bucket_dir.absolute(), create_subdir=False)] = bucket_dir
+            for fut in concurrent.futures.as_completed(jobs):
+                (jobs[fut] / "graph.neff").write_bytes(fut.result())
 
     def shard_checkpoint(self, serialize_path=None):
         raise NotImplementedError("stand-in: ModelBuilder.shard_checkpoint is not used by eagle3-build")
@@ -521,6 +604,20 @@ def _throw_away_parameters(module) -> None:
         p.data = torch.zeros(0, dtype=p.dtype)
 
 
+def _device_round_trip(module) -> None:
+    """What generate_hlo does to the traced module: moves it to the XLA device and back (torch-neuronx
+    xla_impl/trace.py `revert_device_placement` -> placement.move -> Module.to). CPU and XLA tensors are not
+    shallow-copy compatible, so Module._apply makes every Parameter a NEW Parameter object each way: an
+    input_output_aliases dict made before this names Parameters the module no longer has (NxDI builds one
+    per bucket for that reason: DecoderModelInstance.get, "otherwise it will fail the aliasing setup").
+    The data is shared here (the real one copies it; only the objects matter to the alias check)."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = made.setdefault(id(p), torch.nn.Parameter(p.data, requires_grad=p.requires_grad))
+
+
 def _strip(traced, spec: dict):
     """A copy of a traced graph without its weights and states (what the saved NxD model holds)."""
     buf = io.BytesIO()
@@ -626,6 +723,7 @@ def install(monkeypatch, tmp: Path, neuronx=None, release: str | None = None, ve
     nxd.__version__ = source_version("neuronx-distributed", versions["neuronx-distributed"])
     trace_pkg, mb = types.ModuleType("neuronx_distributed.trace"), types.ModuleType("neuronx_distributed.trace.model_builder")
     mb.ModelBuilder, mb.BaseModelInstance = builder_class(release), BaseModelInstance
+    mb.neuron_xla_compile = neuron_xla_compile  # (from libneuronxla import neuron_xla_compile, as the real one)
     layers_pkg = types.ModuleType("neuronx_distributed.parallel_layers")
     mappings = types.ModuleType("neuronx_distributed.parallel_layers.mappings")
     mappings.reduce_from_tensor_model_parallel_region = reduce_from_tensor_model_parallel_region
@@ -654,6 +752,7 @@ def install(monkeypatch, tmp: Path, neuronx=None, release: str | None = None, ve
     monkeypatch.setattr(torch.jit, "load", load)
     monkeypatch.setenv("NEURON_STANDIN_DEVICE_DIR", str(Path(tmp) / "neuron-cores"))
     StandInModelBuilder.instances.clear()
+    COMPILES.update(running=0, most=0, calls=0)
     return neuronx
 
 

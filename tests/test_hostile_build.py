@@ -469,16 +469,16 @@ def test_write_errors_are_one_line_with_the_fix(world, tmp_path):
 def test_a_neuron_sdk_that_fails_to_import_is_one_line(world, tmp_path, monkeypatch):
     """The SDK is there (the metadata check passes) but importing it fails, as without libnrt: one line naming
     the package and the fix from `compile`; `plan` says so in a note."""
+    from neuron_standin import lay_out_sdk, release_versions
+
     site, sdk = tmp_path / "site", ("torch_neuronx", "neuronxcc", "libneuronxla", "neuronx_distributed")
-    for mod in sdk:
-        (site / mod).mkdir(parents=True)
-        (site / mod / "__init__.py").write_text('__version__ = "2.9.0"\n')
+    lay_out_sdk(site, release_versions("2.31.1"))  # as pip installs it: each wheel's metadata and package
     (site / "torch_neuronx" / "__init__.py").write_text(
         'raise ImportError("libnrt.so.1: cannot open shared object file: No such file or directory")\n')
     env = {"PYTHONPATH": str(site), "EAGLE3_BUILD_CACHE": str(tmp_path / "cache")}
     r = run_cli("eagle3-build", "compile", str(world["recipe"]), "--backend", "neuron", "--out", str(tmp_path / "b"),
                 env=env)
-    one_line(r, "backend neuron needs torch-neuronx, which is installed but broken (it fails to import): "
+    one_line(r, "backend neuron needs torch-neuronx, which is installed but broken: "
                 "`import torch_neuronx` raised ImportError('libnrt.so.1: cannot open shared object file")
     assert "pip.repos.neuron.amazonaws.com" in r.stderr and not (tmp_path / "b").exists()
 

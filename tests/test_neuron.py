@@ -66,7 +66,14 @@ def test_plan_neuron_seed_recipes(recipe, graphs, tp):
     assert plan_buckets == ((5, 2) if tp == 8 else (1, 1))
     assert {k["key"]: len(k["buckets"]) for k in target["keys"]} == {
         "target_prefill": prefill, "target_verify": batch, "target_decode": batch, "kv_move": 1}
-    assert [k["key"] for k in draft["keys"] if k["priority_bucket"] == 0] == ["draft_step" if tp == 8 else "draft_catchup"]
+    # the priority key reads every weight of its model (the draft's step never reads fc)
+    assert [k["key"] for k in target["keys"] if k["priority_bucket"] == 0] == ["target_verify"]
+    assert [k["key"] for k in draft["keys"] if k["priority_bucket"] == 0] == ["draft_catchup"]
+    # the build host's memory: keys with several buckets keep their traced weights + KV cache, then the jobs
+    mem = target["memory"]
+    assert mem["weight_bytes"] == per_rank + 4 and mem["keys"] == 4 and mem["kept"] == (3 if tp == 8 else 0)
+    copy = (mem["weight_bytes"] + mem["state_bytes"]) / 1e9
+    assert mem["peak_gb"] == round(3.0 + mem["kept"] * copy + max(copy, mem["compile_jobs"] * 16.0), 2)
     for b in (target, draft):
         for k in b["keys"]:
             assert k["compiler_args"] == ROLE_DEFAULTS.get(k["key"], TOKEN)
@@ -102,6 +109,14 @@ def test_compiler_flags():
         compiler_args({}, "draft_step", environ={"NEURON_CC_FLAGS": "--auto-cast all"})
     folded = compiler_args({"fold_env_flags": True}, "draft_step", environ={"NEURON_CC_FLAGS": "--auto-cast all"})
     assert folded[folded.index("--auto-cast") + 1] == "all"
+
+
+def test_plan_prints_the_build_hosts_memory():
+    r = run_cli("eagle3-build", "plan", str(REPO / "recipes" / "llama31-8b-eagle3.yaml"), "--backend", "neuron")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if "memory" in x or x.startswith("  ModelBuilder")]
+    assert lines[0].startswith("build host memory: peak ~") and "GB available" in lines[0], lines
+    assert lines[1].startswith("  ModelBuilder target: 4 keys, 3 keep their traced weights + KV cache (2.08 GB a key)")
 
 
 def test_plan_refuses_env_flags(monkeypatch):

@@ -132,10 +132,29 @@ def test_newer_and_older_sdks(fake_sdk):
     (warning,) = backend.notes()
     assert "torch-neuronx 2.9.0.2.16.40000, neuronx-cc 2.28.100.0" in warning and "ends at 2.31.1" in warning
     assert "of 2.31.1" in warning  # what it shares with the newest known release
+    # a compiler with --native-int64 (2.27.5334 on) gets today's int64 downcast pinned, in every graph's flags
+    assert all(a[a.index("--native-int64") + 1] == "disabled" and "--implicit-integer-downcast" in a
+               for a in backend.role_args.values())
     older = release_versions("2.27.0") | {"neuronx-distributed": "0.15.22404", "neuronx-distributed-inference": ""}
     with pytest.raises(UserError, match=r"older than Neuron SDK 2\.27\.0"):
         identify(older | {"torch-neuronx": "2.8.0.2.10.16998", "neuronx-cc": "2.21.33363.0",
                           "libneuronxla": "2.2.12677.0"})
+
+
+def test_integer_flags_are_pinned_per_compiler_version(fake_sdk):
+    """neuronx-cc before 2.27.5334 (every NxD release, 2.27.0 to 2.31.1) has no --native-int64 (passing it would
+    fail the compile); from it on, the next release's default (native int64, hard errors) is pinned away.
+    A recipe's own flag still wins."""
+    from eagle3_build.backends.neuron.backend import NeuronBackend
+    from eagle3_build.backends.neuron.model import compiler_args
+    from eagle3_build.backends.neuron.releases import integer_flags
+
+    assert integer_flags("2.26.6360.0") == [] and integer_flags("2.24.8799.0") == []
+    assert integer_flags("2.27.5334.0") == ["--native-int64=disabled", "--implicit-integer-downcast=all"]
+    fake_sdk(release_versions("2.31.1"))
+    assert not any("int64" in x for a in NeuronBackend({}).role_args.values() for x in a)
+    mine = compiler_args({"compiler_args": ["--native-int64=enabled"]}, "draft_step", {}, neuronx_cc="2.28.0.0")
+    assert mine[mine.index("--native-int64") + 1] == "enabled"
 
 
 def test_a_broken_sdk_package_is_one_line(fake_sdk):
@@ -148,3 +167,26 @@ def test_a_broken_sdk_package_is_one_line(fake_sdk):
     with pytest.raises(UserError, match=r"torch-neuronx, which is installed but broken: `import torch_neuronx` "
                                         r"raised OSError\('libnrt.so.1"):
         NeuronBackend({})
+
+
+def test_the_runtime_reads_the_wheels_and_names_a_broken_package(fake_sdk):
+    """The serving host: the bundle's versions against the installed wheels (not __version__), and an SDK
+    package that is installed but does not import is one line naming it."""
+    from test_neuron import manifest_stub
+
+    from eagle3_runtime.backends.neuron import NeuronHostError, check_host
+
+    versions = release_versions("2.27.0")
+    site = fake_sdk(versions)
+    built = manifest_stub(torch_neuronx=versions["torch-neuronx"], neuronx_cc=versions["neuronx-cc"],
+                          libneuronxla=versions["libneuronxla"], neuronx_distributed=versions["neuronx-distributed"])
+    check_host(built, environ={}, devices=["/dev/neuron0"])
+    with pytest.raises(NeuronHostError, match=r"compiled with neuronx-distributed 0\.16\.9999, this host has "
+                                              r"0\.16\.25997"):
+        check_host(manifest_stub(**{**built.toolchain, "neuronx_distributed": "0.16.9999"}), environ={},
+                   devices=["/dev/neuron0"])
+    (site / "neuronx_distributed" / "__init__.py").write_text("raise ImportError('libnrt.so.1: not found')\n")
+    sys.modules.pop("neuronx_distributed", None)
+    with pytest.raises(NeuronHostError, match=r"neuronx-distributed 0\.16\.25997 is installed but `import "
+                                              r"neuronx_distributed` raised ImportError\('libnrt.so.1"):
+        check_host(built, environ={}, devices=["/dev/neuron0"])

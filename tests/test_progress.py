@@ -42,3 +42,13 @@ def test_a_build_refused_while_loading_prints_no_progress_line():
 def test_a_terminal_gets_the_live_view_and_json_gets_json():
     assert isinstance(progress_reporter("p", Console(file=StringIO(), force_terminal=True), False), RichReporter)
     assert isinstance(progress_reporter("p", Console(file=StringIO(), force_terminal=False), True), JsonReporter)
+
+
+def test_a_toolchain_warning_is_a_line_in_a_log_and_on_a_terminal():
+    for terminal in (False, True):
+        out = StringIO()
+        r = progress_reporter("p", Console(file=out, force_terminal=terminal, width=200), as_json=False)
+        with r:
+            r({"event": "warning", "message": "the installed Neuron SDK is not a release this eagle3-build knows"})
+            r({"event": "stage", "stage": "load"})
+        assert "warning: the installed Neuron SDK is not a release this eagle3-build knows" in out.getvalue()

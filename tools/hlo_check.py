@@ -348,6 +348,59 @@ def _groups(attrs: str):
     return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", body)]
 
 
+S64_KINDS = {
+    "index-wrap": "an s32 value widened to s64 and compared with 0: torch-xla's lowering of an indexing op "
+                  "(index, index_put) wraps negative indices so; the select and the index itself stay s32",
+    "index-result": "argmax / topk: XLA computes the index in s32, torch's int64 result widens it, and the graph "
+                    "narrows it back to s32 at once",
+}
+
+
+def s64_tensors(hlo: str) -> list[dict]:
+    """Every instruction with a 64-bit integer result: name, op, type, torch op (XLA_IR_DEBUG's op_type) and
+    `kind` (S64_KINDS), None where an int32 would serve. A widened s32 value keeps its value through
+    neuronx-cc's int64 -> int32 downcast, so both kinds are exact under it."""
+    inst = {name: (ty, op, operands, attrs) for _, _, name, ty, op, operands, attrs in _parse(hlo)}
+    users: dict[str, list[str]] = {}
+    for name, (_, _, operands, _) in inst.items():
+        for o in re.findall(r"%([\w.\-]+)", operands):
+            users.setdefault(o, []).append(name)
+
+    def s64(name: str) -> bool:
+        return name in inst and any(d in ("s64", "u64") for d, _ in _types(inst[name][0]))
+
+    def operands(name: str) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", inst[name][2])
+
+    def zero(name: str) -> bool:  # a broadcast of (or) an s64 constant 0
+        ty, op, ops, _ = inst.get(name, ("", "", "", ""))
+        if op == "broadcast":
+            return all(zero(o) for o in operands(name))
+        return op == "constant" and ops.strip() == "0"
+
+    def widened(name: str) -> bool:  # convert from a 32-bit integer
+        return inst[name][1] == "convert" and all(_types(inst[o][0])[0][0] in ("s32", "u32") for o in operands(name))
+
+    wrap: set[str] = set()
+    for name, (ty, op, ops, attrs) in inst.items():
+        args = operands(name) if op == "compare" else []
+        if op == "compare" and "direction=LT" in attrs and len(args) == 2 and widened(args[0]) and zero(args[1]):
+            wrap |= {args[0], args[1], *[o for o in operands(args[1]) if zero(o)]}
+    out = []
+    for name, (ty, op, ops, attrs) in inst.items():
+        if not s64(name):
+            continue
+        m = re.search(r'op_type="([^"]*)"', attrs)
+        kind = None
+        if name in wrap:
+            kind = "index-wrap"
+        elif widened(name) and users.get(name) and all(
+                inst[u][1] == "convert" and _types(inst[u][0])[0][0] == "s32" for u in users[name]):
+            kind = "index-result"
+        out.append({"name": name, "op": op, "type": ty, "torch_op": m.group(1) if m else None, "kind": kind})
+    return out
+
+
 def check(hlo_text: str, *, tp: int, int_inputs_expected_int32: bool = True, max_constant_elems: int = 1024,
           expect_collectives: bool | None = None) -> dict:
     """Findings on one HLO module's text (from `_get_xla_tensors_hlo`, `lower()`, or an XLA dump).

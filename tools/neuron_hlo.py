@@ -102,7 +102,13 @@ SESSION: Session | None = None
 
 class BaseModelInstance:
     def __init__(self, module_cls, input_output_aliases):
-        self.module_cls, self.input_output_aliases = module_cls, input_output_aliases
+        self.module_cls, self.input_output_aliases, self.module = module_cls, [input_output_aliases], None
+
+    def load_module(self):
+        self.module = self.module_cls()
+
+    def get(self, bucket_rank, **kwargs):
+        return self.module, self.input_output_aliases[0]
 
 
 class _Traced(nn.Module):
@@ -139,6 +145,7 @@ def install_sdk(tp: int) -> Session:
     mappings = CountingMappings(tp)
     mb = types.ModuleType("neuronx_distributed.trace.model_builder")
     mb.ModelBuilder, mb.BaseModelInstance = ModelBuilder, BaseModelInstance
+    mb.neuron_xla_compile = lambda **kw: b""  # (what the build bounds; nothing is compiled here)
     mods = {"neuronx_distributed": types.ModuleType("neuronx_distributed"),
             "neuronx_distributed.parallel_layers": types.ModuleType("neuronx_distributed.parallel_layers"),
             "neuronx_distributed.parallel_layers.mappings": mappings,
@@ -220,10 +227,10 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
                     priority=None) -> dict:
     from eagle3_runtime.backends.neuron import KV_MOVE
 
-    module = inst.module_cls()  # fresh per bucket: lowering moves the module's Parameters to the XLA device
+    inst.load_module()  # fresh per bucket: lowering moves the module's Parameters to the XLA device
+    module, aliases = inst.get(bucket)  # (ModelBuilder: the alias dict of this bucket, from get())
     cpu_outputs: list[int] = []
     _outputs_on_device(module, cpu_outputs)
-    aliases = dict(inst.input_output_aliases)
     n_out = mg.n_out
     rec: dict = {"pair": session.pair, "name": name, "model": mg.name, "key": key, "bucket_index": bucket,
                  "priority": priority == 0, "inputs": [[list(x.shape), str(x.dtype).removeprefix("torch.")]
@@ -286,10 +293,11 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
     for p in int_params:
         p["source"] = src.get(hlo_names.get(p["number"]))
     s64_ops = [dict(o, source=src.get(o["name"])) for o in f["s64_critical_ops"]]
-    s64_sources: collections.Counter = collections.Counter()
-    for _, _, iname, ty, op, _, _ in hlo_check._parse(res["hlo"]):
-        if any(d == "s64" for d, _ in hlo_check._types(ty)):
-            s64_sources[f"{op} @ {src.get(iname)}"] += 1
+    s64_found: collections.Counter = collections.Counter()  # every int64 tensor, by kind, op and Python line
+    for t in hlo_check.s64_tensors(res["hlo"]):
+        s64_found[f"{t['kind'] or 'UNCLASSIFIED'}: {t['op']} ({t['torch_op']}) @ {src.get(t['name'])}"] += 1
+        if t["kind"] is None:
+            failures.append(f"{t['name']} is {t['type']} ({t['torch_op']}), where int32 serves")
     failures = [_with_source(m, src) for m in dict.fromkeys(failures)]
     rec.update({
         "n_params": len(f["parameters"]),
@@ -302,8 +310,7 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
         "input_int_dtypes": sorted({p["dtype"] for p in inputs_int}),
         "s64_parameters": s64_params,
         "s64_critical_ops": s64_ops,
-        "s64_result_ops": f["s64_result_ops"],
-        "s64_result_sources": dict(s64_sources.most_common()),
+        "s64_tensors": dict(s64_found.most_common()),
         "outputs_created_off_device": cpu_outputs,
         "constants_nonscalar": f["constants_nonscalar"],
         "max_constant_elems": max_const,
@@ -319,7 +326,8 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
 def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
     from eagle3_build import pair as pairs
     from eagle3_build.backends.neuron import backend as neuron
-    from eagle3_build.backends.base import NEURON_SDK
+    from eagle3_build.backends.neuron.release_table import NEWEST, RELEASES
+    from eagle3_build.backends.neuron.releases import SDK_PACKAGES
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.recipe import load_recipe
     from eagle3_build.testing.tiny import make_tiny_pair
@@ -327,9 +335,9 @@ def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
     class HloBackend(neuron.NeuronBackend):
         """The real backend; compile_model is the product's, run against the recording ModelBuilder."""
 
-        def compile_model(self, mg, tp, out_dir):
+        def compile_model(self, mg, tp, out_dir, jobs=1):
             session.mg = mg
-            return super().compile_model(mg, tp, out_dir)
+            return super().compile_model(mg, tp, out_dir, jobs)
 
     t0 = time.perf_counter()
     n_before = len(session.graphs)
@@ -340,8 +348,8 @@ def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
         pair = load_recipe(recipe).pairs[0].model_copy(update={"backend": "neuron", "backend_options": {}})
         info.update(recipe=pair.name, dtype=pair.dtype, tp=pair.parallel.tp_degree, K=pair.speculation.num_speculative_tokens,
                     prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch))
-        with mock.patch.object(neuron, "sdk_versions",
-                               lambda: {dist: "hlo-check" for dist in NEURON_SDK.values()}):
+        newest = {pip: RELEASES[NEWEST][pip][-1] for pip in SDK_PACKAGES}  # (no SDK here: the newest release's)
+        with mock.patch.object(neuron, "sdk_versions", lambda: newest):
             backend = HloBackend(pair.backend_options)
         lp = pairs.load_pair(pair)
         bm = pairs.build_models(lp)
@@ -379,6 +387,9 @@ def summary(report: dict) -> str:
     lines.append(f"  {sum(g.get('ok', False) for g in report['graphs'])}/{len(report['graphs'])} graphs ok; "
                  f"{len(fails)} failure(s){', grouped (each one is in the report):' if fails else ''}")
     lines += [f"    - {x}" for x in _grouped(report["failure_list"])]
+    lines.append(f"  int64 tensors: {report['int64']['tensors_by_kind'] or 'none'}")
+    lines += [f"    {k}: {v}" for k, v in report["int64"]["kinds"].items()]
+    lines += [f"    covered by, {k}: {v}" for k, v in report["int64"]["covered_by"].items()]
     lines.append(f"  report: {OUT.relative_to(REPO)}")
     return "\n".join(lines)
 
@@ -403,6 +414,12 @@ def main() -> int:
     for g in session.graphs:
         failure_list += [(f"{g['pair']}/{g['name']}", x) for x in g["failures"]]
     failures = [f"{w}: {m}" for w, m in failure_list]
+    from eagle3_build.backends.neuron.release_table import RELEASES
+    from eagle3_build.backends.neuron.releases import INTEGER_FLAGS, INTEGER_FLAGS_SINCE
+
+    kinds = collections.Counter(k.split(":")[0] for g in session.graphs for k, n in g.get("s64_tensors", {}).items()
+                                for _ in range(n))
+    since = ".".join(map(str, INTEGER_FLAGS_SINCE))
     report = {
         "tool": "tools/neuron_hlo.py",
         "versions": {"torch": torch.__version__, "torch_xla": torch_xla.__version__,
@@ -412,6 +429,11 @@ def main() -> int:
         "ok": not failures,
         "failures": failures,
         "pairs": pairs,
+        "int64": {"tensors_by_kind": dict(kinds), "kinds": hlo_check.S64_KINDS, "covered_by": {
+            f"neuronx-cc < {since} (SDK {next(iter(RELEASES))} to {list(RELEASES)[-1]})":
+                "no integer flags exist; the compiler downcasts every int64 to int32 (exact for both kinds)",
+            f"neuronx-cc >= {since} (SDK 2.32 on)": f"{' '.join(INTEGER_FLAGS)}, pinned per compiler version by "
+                                                   "the build (eagle3_build/backends/neuron/releases.py integer_flags)"}},
         "graphs": session.graphs,
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)

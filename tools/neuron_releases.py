@@ -114,7 +114,8 @@ def table_source(manifest: dict) -> str:
 def extras_block(manifest: dict) -> str:
     rows = table(manifest)
     newest = list(rows)[-1]
-    out = [BEGIN, f"# pip install \"eagle3-build[neuron-2-31-1]\" --extra-index-url https://pip.repos.neuron.amazonaws.com:",
+    out = [BEGIN, f"# pip install \"eagle3-build[{rows[newest]['extra']}]\" --extra-index-url "
+                  "https://pip.repos.neuron.amazonaws.com:",
            "# one SDK release's stack whole; `neuron` is the newest."]
     for name in ["neuron", *reversed(list(rows))]:
         row = rows[newest if name == "neuron" else name]

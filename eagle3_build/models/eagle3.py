@@ -104,7 +104,7 @@ class Eagle3Draft(nn.Module):
         if not self.args.has_d2t:
             return idx, logp
         idx = idx.to(self.d2t.dtype)  # (int64, or int32 on Neuron)
-        return idx + self.d2t[idx], logp
+        return idx + self.d2t.index_select(0, idx.reshape(-1)).view(idx.shape), logp  # (32-bit indices on XLA)
 
     def recurrent_hidden(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out) if self.args.norm_output else out

@@ -144,11 +144,17 @@ class Attention(nn.Module):
         else:  # cache rows 0..b-1, the slots `at` sees (the context)
             visible = at.visible
             keys, values = cache.read(layer, b, visible.shape[-1])
-            key_pos = torch.arange(visible.shape[-1], device=x.device)
+            key_pos = torch.arange(visible.shape[-1], device=x.device, dtype=q_pos.dtype)
         if self.window is not None:  # on slots: a tree's visible keys (its ancestors) lie within its depth
             visible = visible & (key_pos > q_pos - self.window)
         o = sink_attention(q, keys, values, self.sinks, visible, self.scale)
         return self.comm.all_reduce(self.o_proj(o.transpose(1, 2).reshape(b, T, self.n_heads * self.head_dim)))
+
+
+def _rows_of(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] as index_select: on the XLA device an advanced index widens its indices to s64 (to wrap
+    negative ones); index_select keeps them 32-bit."""
+    return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
 
 
 class Experts(nn.Module):
@@ -170,8 +176,8 @@ class Experts(nn.Module):
 
     def routed(self, x, idx, w):
         """x [N, H], idx/w [N, k]: gathers the k chosen experts' weights per token (decode, verify)."""
-        gu = torch.einsum("nh,nkhi->nki", x, self.gate_up_proj[idx]) + self.gate_up_proj_bias[idx]
-        y = torch.einsum("nki,nkih->nkh", self.act(gu), self.down_proj[idx]) + self.down_proj_bias[idx]
+        gu = torch.einsum("nh,nkhi->nki", x, _rows_of(self.gate_up_proj, idx)) + _rows_of(self.gate_up_proj_bias, idx)
+        y = torch.einsum("nki,nkih->nkh", self.act(gu), _rows_of(self.down_proj, idx)) + _rows_of(self.down_proj_bias, idx)
         return (y * w[..., None]).sum(dim=1)
 
     def dense(self, x, idx, w):

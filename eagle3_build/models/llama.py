@@ -280,14 +280,16 @@ def where(cache: KVCache, rows, positions, prefill: bool, slots=None, start=None
     slots = positions if slots is None else slots
     if prefill:
         return Where(rows, slots, positions, None, True)
-    key = torch.arange(context or cache.length, device=positions.device)
+    key = torch.arange(context or cache.length, device=positions.device, dtype=positions.dtype)
     if tree_mask is None:
         return Where(rows, slots, positions, key[None, None, :] <= positions[:, :, None], False)
     b, T, M = tree_mask.shape
     rel = key[None, :] - start[:, None].to(key.dtype)  # [b, S]
-    seen = (tree_mask != 0).gather(2, rel.clamp(0, M - 1)[:, None, :].expand(b, T, key.shape[0]))
-    in_tree = (rel >= 0) & (rel < M)
-    return Where(rows, slots, positions, (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen), False)
+    # (tensor against tensor: on the XLA device an int32 compared with a Python int is widened to s64)
+    inside = rel.clamp(0, M - 1)
+    seen = tree_mask.bool().gather(2, inside[:, None, :].expand(b, T, key.shape[0]))
+    in_tree, before = inside == rel, rel < inside  # 0 <= rel < M; rel < 0
+    return Where(rows, slots, positions, before[:, None, :] | (in_tree[:, None, :] & seen), False)
 
 
 def attend(q, k_new, v_new, cache: KVCache, layer: int, at: Where):

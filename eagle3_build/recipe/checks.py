@@ -20,7 +20,7 @@ from .schema import (PairRecipe, RawPair, RawSource, RawSpecSection, RawSpeculat
 
 # the backend_options each backend understands (checked here with the recipe line, and by get_backend)
 BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs", "pack_weights", "draft_bfloat16", "cpu_isa"),
-                   "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags")}
+                   "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags", "job_memory_gb")}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 HF_RE = re.compile(r"hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?\Z")
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")

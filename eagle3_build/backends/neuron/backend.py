@@ -2,6 +2,7 @@
 (model.py), the bundle written per model (bundle.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shlex
@@ -20,8 +21,10 @@ from ..base import Backend
 from . import bundle
 from .releases import SDK_PACKAGES, identify
 from .model import (INDEX_DTYPE, NAME, SUFFIX, ModelGraphs, _no_checkpoint, compiler_args, flag_value, key_instance,
-                    key_module, key_role, neuron_devices, neuronx_cc_command, priority_role, sdk_versions,
+                    key_module, key_role, neuron_devices, neuronx_cc_command, priority_key, sdk_versions,
                     spec_key)
+from .memory import JOB_MEMORY_GB, job_memory_gb
+from .nxd_internals import bounded_compiles
 
 
 class NeuronBackend(Backend):
@@ -35,7 +38,9 @@ class NeuronBackend(Backend):
         self.versions = sdk_versions()  # fails fast, before any checkpoint is read
         self.sdk = identify(self.versions)  # (a mixed stack is refused here)
         self.release = self.sdk.name
-        self.role_args = {role: compiler_args(backend_options, role) for role in [*ROLES, KV_MOVE, KV_COMPACT]}
+        self.role_args = {role: compiler_args(backend_options, role, neuronx_cc=self.versions["neuronx-cc"])
+                          for role in [*ROLES, KV_MOVE, KV_COMPACT]}
+        self.job_memory_gb = job_memory_gb(backend_options)
         first = next(iter(self.role_args.values()))
         self.target = flag_value(first, "--target") or "trn2"
         self.lnc = int(flag_value(first, "--lnc") or 2)
@@ -54,7 +59,7 @@ class NeuronBackend(Backend):
         return {**versions, "neuron_sdk_release": self.release, "neuron_target": self.target,
                 "neuron_lnc": str(self.lnc)}
 
-    JOB_MEMORY_GB = 16.0  # neuronx-cc on an 8B-class graph; plan/--jobs use it
+    JOB_MEMORY_GB = JOB_MEMORY_GB  # (memory.py: the build sizes its compiler jobs from the host's memory itself)
     ESTIMATE_S = 600.0  # neuronx-cc for a decode-sized graph
 
     def key_fields(self, role: str) -> dict:
@@ -64,32 +69,29 @@ class NeuronBackend(Backend):
     def notes(self) -> list[str]:
         return [self.sdk.warning] if self.sdk.warning else []
 
-    def compile_model(self, mg: ModelGraphs, tp: int, out_dir: Path) -> dict:
+    def compile_model(self, mg: ModelGraphs, tp: int, out_dir: Path, jobs: int = 1) -> dict:
         """Trace and compile every key of one model with ModelBuilder into out_dir/<model>.pt plus
-        out_dir/<graph>.neff; returns the per-graph backend info."""
+        out_dir/<graph>.neff, at most `jobs` neuronx-cc jobs at once; returns the per-graph backend info."""
         from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
 
         mg.check_routing()
+        out_dir = Path(out_dir).resolve()  # (the trace runs in its own working directory)
         workdir = out_dir / "nxd-workdir"  # new: ModelBuilder.trace() removes its workdir first
         builder = ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=_no_checkpoint,
                                compiler_workdir=str(workdir), logical_nc_config=self.lnc)
-        n_inputs = {spec_key(spec): len(inputs) for spec, inputs in mg.graphs} | {KV_MOVE: 1, KV_COMPACT: 1}
-        specs = {spec_key(spec): spec for spec, _ in mg.graphs}
+        priority = priority_key(mg, tp)
         for key in mg.keys():  # a fresh module per key, built when ModelBuilder loads the key
-            spec = specs.get(key)
-            make = functools.partial(key_module, mg, key, n_inputs[key], spec and spec.shape, spec and spec.context)
-            builder.add(key=key, model_instance=key_instance(BaseModelInstance, make, mg.n_out),
+            builder.add(key=key, model_instance=key_instance(BaseModelInstance, functools.partial(key_module, mg, key),
+                                                             mg.n_out),
                         example_inputs=mg.examples(key),
                         compiler_args=shlex.join(self.role_args[key_role(key)]),
-                        priority_model_idx=0 if key == priority_role(mg.name, mg.keys()) else None)
+                        priority_model_idx=0 if key == priority else None)
         env = {} if neuron_devices() else {"NEURON_PLATFORM_TARGET_OVERRIDE": self.target}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        scratch = out_dir / "nxd-cwd"  # layout optimisation writes <key>_<bucket>.hlo into the current directory
+        scratch.mkdir(parents=True)
+        with _environment(env, scratch), bounded_compiles(jobs):
             traced = builder.trace(initialize_model_weights=False)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        shutil.rmtree(scratch, ignore_errors=True)
         torch.jit.save(traced, str(out_dir / f"{mg.name}{SUFFIX}"))
         info, index = {}, {}
         for spec, _ in mg.graphs:
@@ -116,7 +118,7 @@ class NeuronBackend(Backend):
 
     # ---- the bundle: one artifact per model (all ranks, all keys); weights as NxD checkpoints
     def write_graphs(self, bm, root: Path, cache, jobs: int | None, report, require_cached: bool):
-        return bundle.write_graphs(bm, root, self, cache, report, require_cached)
+        return bundle.write_graphs(bm, root, self, cache, jobs, report, require_cached)
 
     def compile_shard(self, pair, index: int, count: int, cache, jobs: int | None, report) -> list:
         raise UserError("compile --shard splits a bundle's graphs across builders; a neuron bundle compiles per "
@@ -140,7 +142,16 @@ class NeuronBackend(Backend):
     @classmethod
     def describe_plan(cls, plan: dict) -> list[str]:
         lines = []
-        for b in plan.get("builders") or []:
+        builders = plan.get("builders") or []
+        if builders:
+            mem = [b["memory"] for b in builders]
+            peak, avail = max(m["peak_gb"] for m in mem), mem[0]["host_available_gb"]
+            verdict = "fits" if peak <= avail else "does NOT fit: the build refuses it (see --jobs, backend_options."\
+                                                   "job_memory_gb)"
+            lines.append(f"build host memory: peak ~{peak:.1f} GB at {mem[0]['compile_jobs']} neuronx-cc job(s) of "
+                         f"{mem[0]['job_memory_gb']:g} GB; this host has {avail:.1f} GB available: {verdict}")
+            lines += [f"  {b['describe_memory']}" for b in builders]
+        for b in builders:
             shards = b["shard_files"]
             lines.append(f"ModelBuilder {b['model']} -> {b['artifact']} (TP {b['tp_degree']}, cache {b['cache']}); "
                          f"per-rank checkpoints {shards[0]['path'].rsplit('/', 1)[0]}/tp{{0..{len(shards) - 1}}}_"
@@ -150,3 +161,17 @@ class NeuronBackend(Backend):
                 lines.append(f"  key {k['key']}: buckets {k['buckets']}{prio}; {shlex.join(k['compiler_args'])}")
         lines.append("neuronx-cc commands (one NEFF per graph, compiled by ModelBuilder.trace):")
         return lines + [f"  {g['compiler_command']}" for g in plan["graphs"]]
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str], cwd: Path):
+    """`env` set and `cwd` the working directory for one trace, both restored after."""
+    saved, here = {k: os.environ.get(k) for k in env}, os.getcwd()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

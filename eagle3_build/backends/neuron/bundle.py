@@ -13,14 +13,15 @@ from pathlib import Path
 from eagle3_runtime.manifest import GraphEntry, TensorSpec, dtype_name, file_entry, torch_dtype
 
 from ...compile.cache import FETCH_TRIES, CompileCache, trace_key, vanishing
-from ...compile.scheduler import CompileFailed, GraphJob, GraphResult
+from ...compile.scheduler import CompileFailed, GraphJob, GraphResult, available_memory_gb
 from ...errors import UserError
 from ...graphs import step_inputs
 from ...models.weights import weight_tensors
 from ...pair import BuildModels, Report, contract_outputs, graph_plan, jsonable, model_entry
 from ...sharding import tensor_plan, write_rank_files
 from ..base import Written
-from .model import (INDEX_DTYPE, RANK_WEIGHT, ModelGraphs, compiler_args, key_role, priority_role, spec_key,
+from .memory import BuilderMemory, build_jobs, cores, job_memory_gb
+from .model import (INDEX_DTYPE, RANK_WEIGHT, ModelGraphs, compiler_args, key_role, priority_key, spec_key,
                     rank_weights, shard_file, weight_dtype, weight_key)
 
 
@@ -36,6 +37,13 @@ class SpmdModel:
     def shard_bytes(self) -> int:
         """Tensor bytes of one rank's NxD checkpoint (its weights plus the int32 rank weight)."""
         return sum(math.prod(sh) * x.itemsize for sh, x in self.graphs.weights.values()) + 4
+
+    def memory(self) -> BuilderMemory:
+        mg = self.graphs
+        buckets = {k: sum(spec_key(sp) == k for sp, _ in mg.graphs) or 1 for k in mg.keys()}
+        shape, dtype = mg.state
+        return BuilderMemory(mg.name, self.shard_bytes(), math.prod(shape) * dtype.itemsize, len(buckets),
+                             sum(n > 1 for n in buckets.values()), sum(buckets.values()))
 
 
 def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
@@ -70,23 +78,27 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
     return out
 
 
-def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, report: Report,
+def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs: int | None, report: Report,
                  require_cached: bool) -> Written:
     """Neuron: one NxD model per model (every role, bucket and rank; model.py) and NxD's
     per-rank checkpoints, keyed by the traced parameter names plus the rank weight."""
     pair, t0 = bm.lp.pair, time.perf_counter()
     tp = pair.parallel.tp_degree
-    report({"event": "stage", "stage": "graphs", "total": len(graph_plan(pair)), "jobs": 1})
     graph_entries, extra_files, model_entries, timings, status = [], [], {}, {}, {}
     models = spmd_models(bm, backend)
     for sm in models.values():  # before anything compiles
         sm.graphs.check_routing()
+        priority_key(sm.graphs, tp)
+    misses = [sm.memory() for sm in models.values() if cache.get(sm.key, check=False) is None]
+    jobs = build_jobs(misses, jobs, available_memory_gb(), backend.job_memory_gb, pair.name)
+    report({"event": "stage", "stage": "graphs", "total": len(graph_plan(pair)), "jobs": jobs})
     for name, sm in models.items():
         model, ckpt, layout = bm.models[name]
         mg, key, names, graphs = sm.graphs, sm.key, sm.names, sm.graphs.graphs
         shapes, entries_in, state = mg.weights, sm.inputs, bm.state[name]
         t_model = time.perf_counter()
-        entry, status[name] = _fetch_model(sm, name, backend, cache, tp, report, require_cached, root / "graphs")
+        entry, status[name] = _fetch_model(sm, name, backend, cache, tp, jobs, report, require_cached,
+                                           root / "graphs")
         info = entry.meta["info"]
         extra_files += [root / "graphs" / fname for fname in entry.files if fname.endswith(".neff")]
         model_file = file_entry(root, root / "graphs" / f"{name}{backend.SUFFIX}")
@@ -119,12 +131,12 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, repo
                    {**counts, "unit": "model", "seconds": round(time.perf_counter() - t0, 2), "graphs": timings})
 
 
-def _fetch_model(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int, report: Report,
+def _fetch_model(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int, jobs: int, report: Report,
                  require_cached: bool, into: Path) -> tuple:
     """`_spmd_entry`, its files copied into `into`; an entry a concurrent `cache prune` / `clear` removed
     before its copy is a miss: compiled again."""
     for _ in range(FETCH_TRIES):
-        entry, status = _spmd_entry(sm, name, backend, cache, tp, report, require_cached)
+        entry, status = _spmd_entry(sm, name, backend, cache, tp, jobs, report, require_cached)
         try:
             for fname in entry.files:
                 shutil.copyfile(entry.path / fname, into / fname)
@@ -134,7 +146,7 @@ def _fetch_model(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int
     raise vanishing(cache, [name])
 
 
-def _spmd_entry(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int, report: Report,
+def _spmd_entry(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int, jobs: int, report: Report,
                 require_cached: bool) -> tuple:
     """One model's cache entry, compiled (through its ModelBuilder) on a miss -> (entry, "cached" | "compiled")."""
     entry, t_model = cache.get(sm.key), time.perf_counter()
@@ -148,7 +160,7 @@ def _spmd_entry(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int,
                                          error="not in the compile cache (--require-cached)")])
     staged = cache.staging_dir()
     try:
-        info = backend.compile_model(sm.graphs, tp, staged)
+        info = backend.compile_model(sm.graphs, tp, staged, jobs)
     except UserError:
         shutil.rmtree(staged, ignore_errors=True)
         raise
@@ -171,21 +183,30 @@ def _spmd_entry(sm: SpmdModel, name: str, backend, cache: CompileCache, tp: int,
 
 def plan_builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]:
     """Neuron: what each model's ModelBuilder gets — keys (roles + kv_move) with their buckets, the
-    priority bucket, flags, the NEFFs — and the per-rank NxD checkpoint files it is served with."""
+    priority bucket, flags, the NEFFs — the per-rank NxD checkpoint files it is served with, and what it
+    asks of this host's memory."""
     out = []
-    tp = bm.lp.pair.parallel.tp_degree
-    for name, sm in spmd_models(bm, backend).items():
-        keys = []
+    pair = bm.lp.pair
+    tp = pair.parallel.tp_degree
+    models = spmd_models(bm, backend)
+    job_gb, available = job_memory_gb(pair.backend_options), available_memory_gb()
+    fit = min(sm.memory().jobs_that_fit(available, job_gb) for sm in models.values())
+    jobs = max(1, min(cores(), fit))
+    for name, sm in models.items():
+        keys, priority = [], priority_key(sm.graphs, tp)
         for key in sm.graphs.keys():
             specs = [sp for sp, _ in sm.graphs.graphs if spec_key(sp) == key]
             keys.append({"key": key, "buckets": [sp.bucket for sp in specs] or [1],
-                         "priority_bucket": 0 if key == priority_role(name, sm.graphs.keys()) else None,
-                         "compiler_args": cc_args.get(key_role(key)) or compiler_args(bm.lp.pair.backend_options,
+                         "priority_bucket": 0 if key == priority else None,
+                         "compiler_args": cc_args.get(key_role(key)) or compiler_args(pair.backend_options,
                                                                                        key_role(key)),
                          "neffs": [f"graphs/{sp.name}.neff" for sp in specs] or [f"graphs/{name}_{key}.neff"]})
         status = "unknown" if not sm.key else ("hit" if cache.get(sm.key, check=False) else "miss")
         out.append({"model": name, "artifact": f"graphs/{name}.pt", "tp_degree": tp, "arity": sm.graphs.arity,
                     "cache": status, "key": sm.key or None, "keys": keys,
                     "shard_files": [{"path": f"weights/{name}/{shard_file(r)}", "bytes": sm.shard_bytes()}
-                                    for r in range(tp)]})
+                                    for r in range(tp)],
+                    "memory": sm.memory().to_dict(jobs, job_gb) | {"job_memory_gb": job_gb,
+                                                                    "host_available_gb": round(available, 1)},
+                    "describe_memory": sm.memory().describe(jobs, job_gb)})
     return out

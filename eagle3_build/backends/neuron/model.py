@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import copy
 import glob
+import math
+import mmap
 import os
 import shlex
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from eagle3_runtime import neuron_sdk
 from eagle3_runtime.manifest import PREFILL_ROLES, ROLES, index_dtype, torch_dtype
@@ -54,6 +57,7 @@ from ...errors import UserError
 from ...graphs import ROLE_MODULES, GraphSpec
 from ...models.llama import KVCache
 from ..base import NEURON_INSTALL_HINT, NEURON_SDK, preflight
+from .releases import integer_flags
 
 NAME = "neuron"
 SUFFIX = ".pt"
@@ -100,10 +104,12 @@ def _args(value) -> list[str]:
     return shlex.split(value) if isinstance(value, str) else list(value or [])
 
 
-def compiler_args(backend_options: dict, role: str, environ: dict | None = None) -> list[str]:
-    """One graph's neuronx-cc flags: NxDI's defaults for its role, then the recipe's
-    `compiler_args` (every role), then `role_compiler_args[role]`; a flag replaces the one of the same
-    name, any -O level the other. NEURON_CC_FLAGS is never applied silently."""
+def compiler_args(backend_options: dict, role: str, environ: dict | None = None, neuronx_cc: str | None = None
+                  ) -> list[str]:
+    """One graph's neuronx-cc flags: NxDI's defaults for its role, the integer flags of this compiler
+    version (`neuronx_cc`; releases.integer_flags), then the recipe's `compiler_args` (every role), then
+    `role_compiler_args[role]`; a flag replaces the one of the same name, any -O level the other.
+    NEURON_CC_FLAGS is never applied silently."""
     environ = os.environ if environ is None else environ
     per_role = backend_options.get("role_compiler_args") or {}
     unknown = sorted(set(per_role) - set(ROLES) - {KV_MOVE, KV_COMPACT})
@@ -116,7 +122,8 @@ def compiler_args(backend_options: dict, role: str, environ: dict | None = None)
                         "without being recorded; unset it, or put the flags under backend_options.compiler_args, "
                         "or set backend_options.fold_env_flags: true to record them in the manifest")
     merged: dict[str, str | None] = {}
-    layers = (COMMON_ARGS + ROLE_ARGS[role_kind(role)], _args(backend_options.get("compiler_args")),
+    layers = (COMMON_ARGS + ROLE_ARGS[role_kind(role)] + (integer_flags(neuronx_cc) if neuronx_cc else []),
+              _args(backend_options.get("compiler_args")),
               _args(per_role.get(role)), env_flags)
     for k, v in (kv for layer in layers for kv in _flag_map(layer)):
         if k.startswith("-O") and not k.startswith("--"):
@@ -171,8 +178,11 @@ def sdk_versions() -> dict[str, str]:
 WEIGHT_PREFIX = "model."  # a weight's name in the traced module and in the NxD checkpoint: model.<canonical>
 RANK_WEIGHT = "rank_util.rank"  # int32 [1], holds r on rank r (NxDI: state_dict["rank_util.rank"] = arange(tp))
 STATE_NAME = "kv"
-# weight-layout optimisation follows the hot graph (the draft's: its step, or the catch-up where depth 1 has none)
-PRIORITY_ROLES = {"target": ("target_verify", "target_decode"), "draft": ("draft_step", "draft_catchup")}
+# ModelBuilder optimises the weight layout for the priority key's HLO and transforms only the weights that HLO
+# reads; a weight it does not read keeps its checkpoint layout in every graph. So the priority key is a
+# token-generation key that reads every weight (as NxDI's token generation does): the target's verify, the
+# draft's catch-up (its step never reads fc or the fc norm). `priority_key` checks the rule on the model.
+PRIORITY_ROLES = {"target": ("target_verify", "target_decode"), "draft": ("draft_catchup", "draft_step")}
 
 
 def spec_key(spec) -> str:
@@ -182,10 +192,6 @@ def spec_key(spec) -> str:
 
 def key_role(key: str) -> str:
     return key.partition(".")[0]
-
-
-def priority_role(model: str, keys: list[str]) -> str:
-    return next(r for r in PRIORITY_ROLES[model] if r in keys)
 
 
 def shard_file(rank: int) -> str:
@@ -231,6 +237,13 @@ class ModelGraphs:
         return (list(dict.fromkeys(spec_key(spec) for spec, _ in self.graphs)) + [KV_MOVE]
                 + ([KV_COMPACT] if self.compact_pairs else []))
 
+    def key_spec(self, key: str) -> tuple[GraphSpec | None, int]:
+        """A key's graph spec (its first bucket's; None for kv_move / kv_compact) and its role's input count."""
+        if key in (KV_MOVE, KV_COMPACT):
+            return None, 1
+        spec, inputs = next((sp, ins) for sp, ins in self.graphs if spec_key(sp) == key)
+        return spec, len(inputs)
+
     def examples(self, key: str) -> list[tuple[torch.Tensor, ...]]:
         """One example tuple per bucket of `key`, padded to the model's arity."""
         if key == KV_MOVE:
@@ -274,9 +287,9 @@ class RankWeight(nn.Module):
     """The per-rank int32 weight that tells an SPMD graph its rank (NxD's SPMDRank: every input is the
     same on every rank, and any Python-level rank is 0 while tracing)."""
 
-    def __init__(self):
+    def __init__(self, rank: torch.Tensor):
         super().__init__()
-        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
+        self.rank = nn.Parameter(rank, requires_grad=False)
 
 
 class NxDCollectives:
@@ -295,21 +308,40 @@ class NxDCollectives:
         return self.mappings.gather_from_tensor_model_parallel_region(x)
 
 
-class DeviceModel:
-    """One key's tensors, named as in every other key of the builder: the weights (Parameters, zeros: the
-    real ones are bound by `nxd_model.initialize`), the KV-cache state and the rank weight."""
+def untouched_zeros(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor that costs no memory until written: a private anonymous mapping, whose pages the kernel
+    backs on the first write (a read sees its shared zero page). What NxD's own layers get from torch.empty
+    under set_aot_mode(True) (parallel_layers/layers.py), with defined values: a stand-in that runs the key,
+    and the aliasing check's torch.equal on the state, see zeros instead of whatever was in the heap."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
-    def __init__(self, mg: ModelGraphs):
+
+class DeviceModel:
+    """One key's tensors, named as in every other key of the builder: the weights (Parameters holding
+    untouched zeros: the real ones are bound by `nxd_model.initialize`), the KV-cache state and the rank
+    weight. `device="meta"` (and `comm`, collectives that need no SDK): shapes only, for `weights_read`."""
+
+    def __init__(self, mg: ModelGraphs, device: str = "cpu", comm=None):
+        def tensor(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device="meta") if device == "meta" else untouched_zeros(shape, dtype)
+
         model = copy.deepcopy(mg.model)
         for name, (shape, dtype) in mg.weights.items():
             owner, _, leaf = name.rpartition(".")
             mod = model.get_submodule(owner)
             mod._buffers.pop(leaf, None)  # a persistent buffer (d2t) is a weight like any other
-            mod._parameters[leaf] = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
-        model.comm.ops = NxDCollectives()
+            mod._parameters[leaf] = nn.Parameter(tensor(shape, dtype), requires_grad=False)
+        if device == "meta":  # (non-weight buffers, RoPE's inv_freq, are real even in a meta-built model)
+            for mod in model.modules():
+                mod._buffers.update({n: b.to("meta") for n, b in mod._buffers.items() if b is not None})
+        model.comm.ops = comm or NxDCollectives()
         self.model = model
-        self.kv = nn.Parameter(torch.zeros(mg.state[0], dtype=mg.state[1]), requires_grad=False)
-        self.rank_util = RankWeight()
+        self.kv = nn.Parameter(tensor(mg.state[0], mg.state[1]), requires_grad=False)
+        self.rank_util = RankWeight(tensor([1], torch.int32))
 
 
 class NeuronKey(nn.Module):
@@ -366,14 +398,79 @@ class Key6(NeuronKey):
 KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's tracing takes explicit parameters)
 
 
-def key_module(mg: ModelGraphs, key: str, n_role_inputs: int, shape=None, context: int | None = None) -> NeuronKey:
+def key_module(mg: ModelGraphs, key: str, device: str = "cpu", comm=None) -> NeuronKey:
     """A fresh module for one key: its own DeviceModel (nothing shared with another key's)."""
-    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg), n_role_inputs, mg.n_out, shape, context)
+    spec, n_inputs = mg.key_spec(key)
+    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg, device, comm), n_inputs, mg.n_out,
+                                 spec and spec.shape, spec and spec.context)
+
+
+class ShapeCollectives:
+    """Collectives with the right output shapes and no SDK (a rank's own values): for meta-device runs."""
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * self.tp, dim=-1)
+
+
+class _ReadRecorder(TorchFunctionMode):
+    """The identities of every tensor a torch function or tensor method is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def _note(self, x) -> None:
+        if isinstance(x, torch.Tensor):
+            self.seen.add(id(x))
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                self._note(y)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self._note(list(args) + list((kwargs or {}).values()))
+        return func(*args, **(kwargs or {}))
+
+
+def weights_read(mg: ModelGraphs, key: str, tp: int) -> set[str]:
+    """The model weights one key's graph reads: its first bucket run on the meta device (no compute, no
+    memory), every op's tensor arguments recorded by identity."""
+    module = key_module(mg, key, device="meta", comm=ShapeCollectives(tp))
+    example = tuple(x.to("meta") for x in mg.examples(key)[0])
+    named = {id(p): n.removeprefix("model.") for n, p in module.model.named_parameters()}
+    with torch.no_grad(), _ReadRecorder() as rec:
+        module(*example)
+    return {named[i] for i in rec.seen if i in named}
+
+
+def priority_key(mg: ModelGraphs, tp: int) -> str:
+    """The key ModelBuilder optimises the weight layout for: the first of the model's PRIORITY_ROLES that reads
+    every weight. None doing so is refused: ModelBuilder would leave the unread weights in their checkpoint
+    layout in every graph (model_builder.py _mark_weight_in_priority_hlo / _add_layout_optimization...)."""
+    keys, want, tried = mg.keys(), set(mg.weights), []
+    for role in PRIORITY_ROLES[mg.name]:
+        if role in keys:
+            unread = sorted(want - weights_read(mg, role, tp))
+            if not unread:
+                return role
+            tried.append(f"{role} does not read {', '.join(unread[:4])}{' ...' if len(unread) > 4 else ''}")
+    raise UserError(f"backend neuron: no key of the {mg.name} reads every weight ({'; '.join(tried)}), and "
+                    "ModelBuilder optimises the weight layout of the priority key's weights only; this is a bug in "
+                    "eagle3-build's graphs: report it with the recipe")
 
 
 def key_instance(base, make_module, n_out: int):
     """The model instance ModelBuilder loads a key from (`base`: NxD's BaseModelInstance): a fresh module on
-    every `load_module`, its own KV state aliased to output `n_out` (NxDI's DecoderModelInstance pattern)."""
+    every `load_module`; `get` (once per bucket) aliases the module's KV state to output `n_out` in a NEW dict
+    each time. torch-neuronx's generate_hlo moves the module to the XLA device and back, which replaces every
+    Parameter object, so a dict made for an earlier bucket names Parameters the module no longer has (NxDI
+    DecoderModelInstance.get, models/model_wrapper.py: "we have to init an input_output_aliases map for each
+    buckets, otherwise it will fail the aliasing setup when generating HLO")."""
 
     class KeyInstance(base):
         def __init__(self):
@@ -381,7 +478,9 @@ def key_instance(base, make_module, n_out: int):
 
         def load_module(self):
             self.module = self.module_cls()
-            self.input_output_aliases = [{self.module.kv: n_out}]
+
+        def get(self, bucket_rank, **kwargs):
+            return self.module, {self.module.kv: n_out}
 
     return KeyInstance()
 
