@@ -93,13 +93,18 @@ class CompileFailed(Exception):
 def default_jobs(backend, tasks: int | None = None) -> int:
     """Parallel compile jobs from the cores and the memory available, with the backend's per-job
     memory estimate, at most its MAX_JOBS."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    cores = host_cores()
     by_memory = int(available_memory_gb() // backend.JOB_MEMORY_GB)
     n = max(1, min(cores, by_memory, backend.MAX_JOBS or cores))
     return min(n, tasks) if tasks else n
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def available_memory_gb() -> float:

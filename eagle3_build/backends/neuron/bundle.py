@@ -13,14 +13,14 @@ from pathlib import Path
 from eagle3_runtime.manifest import GraphEntry, TensorSpec, dtype_name, file_entry, torch_dtype
 
 from ...compile.cache import FETCH_TRIES, CompileCache, trace_key, vanishing
-from ...compile.scheduler import CompileFailed, GraphJob, GraphResult, available_memory_gb
+from ...compile.scheduler import CompileFailed, GraphJob, GraphResult, available_memory_gb, host_cores
 from ...errors import UserError
 from ...graphs import step_inputs
 from ...models.weights import weight_tensors
 from ...pair import BuildModels, Report, contract_outputs, graph_plan, jsonable, model_entry
 from ...sharding import tensor_plan, write_rank_files
 from ..base import Written
-from .memory import BuilderMemory, build_jobs, cores, job_memory_gb
+from .memory import BuilderMemory, build_jobs, job_memory_gb
 from .model import (INDEX_DTYPE, RANK_WEIGHT, ModelGraphs, compiler_args, key_role, priority_key, spec_key,
                     rank_weights, shard_file, weight_dtype, weight_key)
 
@@ -191,7 +191,7 @@ def plan_builders(bm, backend, cache: CompileCache, cc_args: dict) -> list[dict]
     models = spmd_models(bm, backend)
     job_gb, available = job_memory_gb(pair.backend_options), available_memory_gb()
     fit = min(sm.memory().jobs_that_fit(available, job_gb) for sm in models.values())
-    jobs = max(1, min(cores(), fit))
+    jobs = max(1, min(host_cores(), fit))
     for name, sm in models.items():
         keys, priority = [], priority_key(sm.graphs, tp)
         for key in sm.graphs.keys():

@@ -13,9 +13,9 @@ One ModelBuilder per model, one after the other. Inside one (ModelBuilder.trace,
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
+from ...compile.scheduler import host_cores
 from ...errors import UserError
 
 BASELINE_GB = 3.0  # the build process itself: python, torch, torch-xla, the SDK's modules, checkpoints' headers
@@ -69,20 +69,13 @@ class BuilderMemory:
         return {**asdict(self), "compile_jobs": self.compile_jobs(jobs), "peak_gb": round(self.peak_gb(jobs, job_gb), 2)}
 
 
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def build_jobs(builders: list[BuilderMemory], jobs: int | None, available_gb: float, job_gb: float, pair: str) -> int:
     """The compiler jobs the build runs: `jobs` (--jobs) or what the cores and the memory allow; UserError
     when the build does not fit this host's memory, naming what it needs and the fix."""
     if not builders:
         return jobs or 1
     fit = min(b.jobs_that_fit(available_gb, job_gb) for b in builders)
-    use = jobs or max(1, min(cores(), fit))
+    use = jobs or max(1, min(host_cores(), fit))
     worst = max(builders, key=lambda b: b.peak_gb(use, job_gb))
     need = worst.peak_gb(use, job_gb)
     if need <= available_gb:
