@@ -21,7 +21,7 @@ from .checkpoints.tokenizer import export_tokenizer
 from .compile.cache import CompileCache
 from .compile.scheduler import GraphResult
 from .output import check_out, clean_leftovers, replace_staged
-from .pair import BuildModels, LoadedPair, Report, build_models, load_pair
+from .pair import BuildModels, LoadedPair, Report, build_models, check_limits, load_pair
 from .recipe import PairRecipe
 
 
@@ -75,6 +75,7 @@ def _write_bundle(lp: LoadedPair, root: Path, backend, cache: CompileCache, jobs
     """Graphs and weights first (the long, fallible part: the backend's), then what every bundle shares."""
     t0 = time.perf_counter()
     bm = build_models(lp)
+    check_limits(lp, None if require_cached else bm)  # (--require-cached traces nothing)
     (root / "graphs").mkdir()
     written = backend.write_graphs(bm, root, cache, jobs, report, require_cached)
     written.build["seconds"] = round(time.perf_counter() - t0, 2)

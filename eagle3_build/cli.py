@@ -32,7 +32,7 @@ from eagle3_runtime.manifest import BACKENDS
 
 from .errors import UserError
 from .files import os_error_line
-from .recipe import RecipeError, load_recipe, select_pair
+from .recipe import MAX_COUNT, MAX_PROMPTS, RecipeError, load_recipe, select_pair
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline compile-and-package toolchain for EAGLE3 speculative decoding.")
@@ -73,6 +73,27 @@ def _with_backend(pairs, backend: Optional[str]):
     return [p.model_copy(update={"backend": backend}) for p in pairs]
 
 
+MAX_JOBS = 1024  # parallel compile jobs (a recipe has far fewer graphs)
+MAX_DAYS = 36500  # --older-than: a hundred years
+MAX_GB = 1e6  # --max-size: a petabyte
+MAX_RANKS = 1 << 16  # --ranks of one deployment
+
+
+def _in_range(option: str, value, lo, hi, what: str, example: str = ""):
+    """`value` of a numeric option, refused (one line, exit 2) unless it is a finite number in [lo, hi];
+    None (not given) passes."""
+    if value is None or (math.isfinite(value) if isinstance(value, float) else True) and lo <= value <= hi:
+        return value
+    fail(f"{option} {_num(value)}: expected {what} from {_num(lo)} to {_num(hi)}" + (f", e.g. {example}" if example
+                                                                                     else ""))
+
+
+def _num(x) -> str:
+    if isinstance(x, float):
+        return str(int(x)) if x.is_integer() and abs(x) < 1e16 else f"{x:g}"
+    return str(x) if abs(x) < 10**20 else f"{str(x)[:12]}â€¦ ({len(str(abs(x)))} digits)"
+
+
 @app.command("compile")
 def compile_cmd(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
@@ -80,7 +101,7 @@ def compile_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="bundle directory (one pair only); default artifacts/<name>"),
     artifacts: Path = typer.Option(Path("artifacts"), "--artifacts", help="where bundles go by default"),
     backend: Optional[str] = typer.Option(None, "--backend", help=f"override the recipe's backend ({' | '.join(BACKENDS)})"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j",
                                        help="parallel compile jobs (default: from cores, free memory and the backend)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", envvar="EAGLE3_BUILD_CACHE",
                                              help="compile cache (default ~/.cache/eagle3-build)"),
@@ -96,6 +117,7 @@ def compile_cmd(
     """Build every pair of RECIPE into a bundle (graphs through the compile cache)."""
     from .backends.base import preflight
 
+    _in_range("--jobs", jobs, 1, MAX_JOBS, "a number of parallel compile jobs")
     pairs = _with_backend(_pairs(recipe, pair), backend)
     if out is not None and len(pairs) != 1:
         fail(f"--out needs exactly one pair, the recipe has {len(pairs)}; add --pair NAME")
@@ -121,6 +143,13 @@ def compile_cmd(
         except UserError as e:
             fail(str(e))
     _open_cache(cache, [("the recipe", recipe), *(("the bundle directory", d) for d in dests)])
+    from .plan import check_sizes
+
+    for p in pairs:  # the recipe's limits against each target and this host, before anything is sized
+        try:
+            check_sizes(p, memory=not require_cached)  # (--require-cached traces nothing)
+        except (UserError, RecipeError) as e:
+            fail(f"pair {p.name}: {e}")
     failed_any = False
     with _StopOnSigterm():
         for p in pairs:
@@ -292,14 +321,15 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
     """List cached graphs (and the last failure of keys that failed)."""
     c = _cache(cache_dir)
     try:
-        entries = c.entries() if c.existing() else []
+        found = c.existing()
     except UserError as e:
         fail(str(e))
+    entries = c.entries() if found else []
     rows = [{"key": e.key, "graph": e.meta.get("graph"), "backend": e.meta.get("backend"),
-             "compile_seconds": e.compile_seconds, "bytes": e.size,
-             "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(c.last_used(e)))} for e in entries]
-    failures = sorted((c.root / "failures").glob("*.json")) if (c.root / "failures").is_dir() else []
-    fails = [json.loads(f.read_text()) | {"log": str(f.with_suffix(".log"))} for f in failures]
+             "compile_seconds": e.compile_seconds if e.problem is None else None, "bytes": e.size,
+             "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(c.last_used(e))),
+             **({"corrupt": e.problem} if e.problem else {})} for e in entries]
+    fails = c.failures() if found else []
     if as_json:
         out_console.print_json(json.dumps({"cache": str(c.root), "entries": rows, "failures": fails}))
         return
@@ -307,12 +337,16 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
     for col in ("key", "graph", "backend", "compile time", "size", "last used"):
         t.add_column(col)
     for r in rows:
+        if "corrupt" in r:  # (a miss: compiled again by the next build that needs it, removed by `cache prune`)
+            t.add_row(r["key"][:16], f"corrupt: {r['corrupt']}", "-", "-", f"{r['bytes'] / 1e6:.1f} MB",
+                      r["last_used"])
+            continue
         t.add_row(r["key"][:16], r["graph"], r["backend"], f"{r['compile_seconds']:.1f}s", f"{r['bytes'] / 1e6:.1f} MB",
                   r["last_used"])
     out_console.print(t)
     for f in fails:
         out_console.print(f"failed last time: {f.get('graph')} ({f['key'][:16]}): {f.get('error')}  log: {f['log']}",
-                          highlight=False)
+                          highlight=False, markup=False)
 
 
 @cache_app.command("prune")
@@ -322,6 +356,8 @@ def cache_prune(cache_dir: Optional[Path] = CacheDir,
     """Drop entries unused for --older-than days and/or the least recently used beyond --max-size GB."""
     if older_than is None and max_size is None:
         fail("cache prune needs --older-than DAYS and/or --max-size GB")
+    _in_range("--older-than", older_than, 0, MAX_DAYS, "a number of days", "--older-than 30")
+    _in_range("--max-size", max_size, 0, MAX_GB, "a size in GB", "--max-size 50 keeps 50 GB")
     try:
         removed = _cache(cache_dir).prune(older_than_days=older_than,
                                           max_bytes=None if max_size is None else int(max_size * 1e9))
@@ -549,6 +585,7 @@ def check_cmd(bundle: str = typer.Argument(..., help="bundle directory or hf://â
     from eagle3_runtime.remote import resolve_bundle
     from eagle3_runtime.trust import pins
 
+    _in_range("--ranks", ranks, 1, MAX_RANKS, "a number of ranks")
     try:
         ref, p = pins(bundle, expect_digest, verify_signature)
         root = resolve_bundle(ref, p, trust_remote_code)
@@ -580,8 +617,14 @@ def make_tiny_pair_cmd(
     arch: str = typer.Option("llama", "--arch", help="llama | gpt-oss (a scaled-down twin of the GPT-OSS-120B seed)"),
 ):
     """Write a random tiny target (Llama or GPT-OSS), a tiny EAGLE3 draft and a recipe for them."""
-    from .testing.tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, TARGET_FORMATS, make_tiny_pair
+    from eagle3_runtime.manifest import MAX_DEPTH, min_max_model_len
 
+    from .testing.tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, MAX_POS, TARGET_FORMATS, make_tiny_pair
+
+    _in_range("--seed", seed, 0, 2**64 - 1, "a seed")
+    _in_range("-k / --num-speculative-tokens", k, 1, MAX_DEPTH, "a number of speculative tokens")
+    depth = k if k is not None else (1 if arch == "gpt-oss" else 3)  # (make_tiny_pair's default)
+    _in_range("--max-model-len", max_model_len, min_max_model_len(depth), MAX_POS, f"a length (for K {depth})")
     if arch not in ARCHS:
         fail(f"--arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if draft_format not in DRAFT_FORMATS:
@@ -626,9 +669,9 @@ def verify_cmd(
     pair: Optional[str] = typer.Option(None, "--pair", help="with --server: the recipe's pair (when it has several)"),
     model: Optional[str] = typer.Option(None, "--model", help="with --server: the served model name (default: the "
                                         "first /v1/models lists)"),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts",
                                               help="prompts to check (default: the recipe's verify.num_prompts)"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
                                              help="tokens per prompt (default: the recipe's verify.max_tokens)"),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="prompt file: one per line, .json list or "
                                            ".jsonl (default: the built-in set)"),
@@ -649,10 +692,15 @@ def verify_cmd(
     Speculative greedy output == the target's transformers greedy output on N prompts; the acceptance
     block (a server's: its Prometheus spec-decode counters); the gate, and the likely cause when it fails.
     Exit 0 passed, 1 failed, 2 bad input."""
+    from eagle3_runtime.manifest import MAX_DEPTH
     from eagle3_runtime.tp import set_threads
 
     from .verify import render_report, verify_bundle
 
+    _in_range("--num-prompts", num_prompts, 1, MAX_PROMPTS, "a number of prompts")
+    _in_range("--max-tokens", max_tokens, 1, MAX_COUNT, "a number of tokens per prompt")
+    _in_range("--min-acceptance-length", min_acceptance_length, 1, MAX_DEPTH + 1,
+              "a mean acceptance length (1: nothing accepted, at most the deepest speculation + 1)", "2.5")
     set_threads()  # the runtime's rule: $EAGLE3_NUM_THREADS, else the cores this process may use
     say = None if as_json else lambda m: console.print(f"verify: {m}", style="dim")
     if (server is None) == (bundle is None):
@@ -685,9 +733,19 @@ def verify_cmd(
 
 
 def main() -> None:
+    from typer.exceptions import TyperException
+
     try:
-        app()
-    except KeyboardInterrupt:
+        code = app(standalone_mode=False)  # (usage errors come here: one line, not the boxed usage text)
+        if isinstance(code, int):  # (a typer.Exit, which this mode returns)
+            sys.exit(code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except TyperException as e:  # a bad option value, a missing argument, an unknown command
+        ctx = getattr(e, "ctx", None)
+        _report(f"{e.format_message()} (see {ctx.command_path if ctx else 'eagle3-build'} --help)")
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
         console.print("interrupted")
         sys.exit(130)
     except OSError as e:  # the file system refused (disk full, a name too long, read-only, ...): the path and fix

@@ -2,15 +2,34 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 import uuid
 from pathlib import Path
+from typing import Callable
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: written beside it, renamed into place; the temporary file is
+    removed when the write fails (a full disk)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+def save_through_python(save: Callable[[io.BytesIO], object], path: Path) -> None:
+    """`save` serialises into memory, then Python writes the bytes: torch's C++ file writer aborts the whole
+    process when the disk fills (its destructor throws after ENOSPC), Python's write raises OSError."""
+    buf = io.BytesIO()
+    save(buf)
+    Path(path).write_bytes(buf.getbuffer())
 
 
 _ELSEWHERE = "or write somewhere else (--out, EAGLE3_BUILD_CACHE / --cache-dir)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,7 +22,8 @@ from .graphs import GraphSpec, plan_graphs
 from .models.eagle3 import draft_layout
 from .models.llama import llama_layout
 from .models.weights import weight_tensors
-from .recipe import PairRecipe
+from .host import available_memory_bytes
+from .recipe import PairRecipe, RecipeError, check_target_limits, issue_at
 from .sharding import check_tp
 
 Report = Callable[[dict], None]  # progress events (dicts with an "event" key: stage | graph | shard)
@@ -123,3 +125,42 @@ def model_entry(bm: BuildModels, name: str, root: Path, files: list[Path], tenso
 
 def jsonable(x):
     return json.loads(json.dumps(x, default=list))
+
+
+# ------------------------------------------------------------------ sizes, before anything is allocated
+
+def kv_cache_bytes(bm: BuildModels) -> dict[str, int]:
+    """Bytes of each model's KV cache on one rank (from its shape: nothing allocated)."""
+    return {m: math.prod(t.shape) * torch.empty((), dtype=torch_dtype(t.dtype)).element_size()
+            for m, t in bm.state.items()}
+
+
+def kv_memory_problem(pair: PairRecipe, bm: BuildModels) -> RecipeError | None:
+    """A KV cache larger than this host's available memory (tracing allocates one): the problem at the serving
+    key to lower (max_model_len where one sequence alone does not fit, else max_num_seqs); None where it fits."""
+    kv, free = kv_cache_bytes(bm), available_memory_bytes()
+    total = sum(kv.values())
+    if free is None or total <= free:
+        return None
+    B, L = pair.serving.max_num_seqs, pair.serving.max_model_len
+    key = ("serving", "max_model_len") if total // B > free or B == 1 else ("serving", "max_num_seqs")
+    return issue_at(pair, key, f"{B} sequence(s) x {L} positions make a KV cache of {_bytes(total)} per rank "
+                               f"(target {_bytes(kv['target'])} + draft {_bytes(kv['draft'])}, {pair.dtype}), more "
+                               f"than the {_bytes(free)} of memory available on this host; lower serving.{key[1]} "
+                               "(or spread the cache over more ranks: parallel.tp_degree)")
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def check_limits(lp: LoadedPair, bm: BuildModels | None = None) -> None:
+    """serving.max_model_len against the target's config and, given the models (`bm`), the KV cache a trace
+    allocates against this host's memory: a RecipeError at the recipe's line, before anything is sized."""
+    check_target_limits(lp.pair, lp.target.config)
+    problem = None if bm is None else kv_memory_problem(lp.pair, bm)
+    if problem is not None:
+        raise problem

@@ -26,8 +26,8 @@ from .compile.cache import CompileCache
 from .compile.scheduler import default_jobs, static_estimate
 from .errors import UserError
 from .models.weights import weight_tensors
-from .pair import LoadedPair, build_models, graph_plan, load_pair
-from .recipe import PairRecipe
+from .pair import LoadedPair, build_models, check_limits, graph_plan, kv_memory_problem, load_pair
+from .recipe import PairRecipe, check_target_limits
 
 KNOWN = Path(__file__).resolve().parent / "known_configs"
 
@@ -121,6 +121,21 @@ def config_only_pair(pair: PairRecipe) -> tuple[LoadedPair, str]:
     return LoadedPair(pair, target, draft), origin if origin == d_origin else f"{origin} / {d_origin}"
 
 
+# ------------------------------------------------------------------ sizes, before anything is allocated
+
+def check_sizes(pair: PairRecipe, *, memory: bool = True) -> None:
+    """pair.check_limits before a build, from configs and safetensors headers only. An hf:// pair whose config
+    is not on this host yet passes here (the build checks it once it has downloaded it)."""
+    if pair.target.kind == "hf" or pair.draft.kind == "hf":
+        try:
+            lp, _ = config_only_pair(pair)
+        except UserError:
+            return
+    else:
+        lp = load_pair(pair)
+    check_limits(lp, build_models(lp) if memory else None)
+
+
 # ------------------------------------------------------------------ plan
 
 def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> PairPlan:
@@ -133,7 +148,13 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
         lp, origin = load_pair(pair), "checkpoint (headers only)"
     else:
         lp, origin = config_only_pair(pair)
-    bm = build_models(lp)
+    check_target_limits(pair, lp.target.config)
+    bm = build_models(lp)  # (shapes on the meta device: nothing allocated)
+    too_big = kv_memory_problem(pair, bm)
+    if too_big is not None and exact and keys:  # (tracing the graphs for their keys allocates the KV cache)
+        raise too_big
+    if too_big is not None:
+        notes.append(f"a build on this host would be refused: {too_big}")
     sizes = {"target": 0, "draft": 0}
     for q, (shape, dt) in bm.weight_shapes.items():
         sizes[q.split("/")[0]] += math.prod(shape) * (torch.empty((), dtype=dt).element_size())

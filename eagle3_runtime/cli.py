@@ -9,7 +9,8 @@ import sys
 from .adaptive import add_speculation_arg, speculation_mode
 from .bundle import BundleError
 from .engine import Engine, describe_error
-from .errors import ArgumentParser, Eagle3Error, enable_debug, print_cause
+from .errors import ArgumentParser, Eagle3Error, enable_debug, print_cause, whole_number
+from .launch import stop_line
 from .tokenizer import BundleTokenizer
 from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="eagle3-run", description="Generate from an eagle3-build bundle.")
     ap.add_argument("bundle", help="bundle directory (artifacts/<pair name>) or hf://org/repo@rev, file:///dir@rev")
     ap.add_argument("--prompt", required=True, help="prompt text (tokenized as the target's tokenizer does)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=whole_number(1, 1 << 24), default=64)
     ap.add_argument("--chat", action="store_true",
                     help="wrap the prompt as one user message in the bundle's chat template (instruct models)")
     add_speculation_arg(ap)
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        line, code = stop_line()
+        print(line, file=sys.stderr)
+        return code
     except Exception as e:  # noqa: BLE001 (a failure of ours: one line, the traceback with --debug)
         print_cause(e)
         print(f"error: generation failed ({describe_error(e)}); --debug prints the traceback", file=sys.stderr)
@@ -93,5 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # (python -m eagle3_runtime.cli: the console entry point's path, its signal handling too)
+    from eagle3_runtime.launch import run as _run
+
+    _run()

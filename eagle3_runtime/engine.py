@@ -12,7 +12,7 @@ bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest
     draft     the root's children from the last prefill / catch-up, then depth - 1 draft_step calls
               over the frontier (tree.py)
     verify    target runs the tree's N nodes (node i at KV slot p + i) in one pass
-    accept    greedy: the longest path of target-argmax tokens; sampled: recursive rejection
+    accept    greedy: the longest path of target-argmax tokens; sampled: the path of the target's own samples
               (sampling.verify_tree_sampled); the accepted nodes' KV moves to p..p+a
     catch-up  draft re-runs positions p..p+a with the target's aux states -> the next root's children
   rows past the speculation cutoff (manifest.can_speculate) take only the verify's first token (one
@@ -44,7 +44,7 @@ from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
 from .manifest import NO_SPECULATION, SpecShape, can_speculate, pick_context, torch_dtype
 from .metrics import Metrics, SpecStats
-from .sampling import SamplingParams, next_token, verify_tree_sampled
+from .sampling import SamplingParams, Uniform, Uniforms, next_token, verify_tree_sampled
 from .tokenizer import BundleTokenizer, TextStream
 from .tree import Drafting, Tree, accept_greedy, dummy_tree
 
@@ -117,7 +117,7 @@ class Sequence:
     ids: list[int]
     n_prompt: int
     row: int
-    gen: torch.Generator
+    rng: Uniforms  # the request's uniforms, one per output position (sampling.Uniforms)
     stats: SpecStats
     draft_top: tuple[list[int], list[float]] | None = None  # the draft's top-k for the next root, log-probs
     draft_hidden: torch.Tensor | None = None
@@ -138,6 +138,10 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.ids[self.n_prompt:]
+
+    def u(self) -> Uniform:
+        """The uniforms from this request's next output position on."""
+        return self.rng.at(len(self.ids) - self.n_prompt)
 
 
 @dataclass
@@ -255,7 +259,9 @@ class Engine:
         with self._cv:
             if self.dead is not None:
                 raise EngineDead(f"the engine stopped after an error ({self.dead}); restart the server")
-            if len(self.waiting) + len(self.active) >= self.max_num_seqs + self.max_queue:
+            # (a finished row counts as free: its listener has had its last event before the engine frees it)
+            busy = sum(s.finish_reason is None for s in list(self.active))
+            if len(self.waiting) + busy >= self.max_num_seqs + self.max_queue:
                 raise QueueFull(f"all {self.max_num_seqs} sequence slots are busy and {len(self.waiting)} "
                                 f"requests are waiting (max queue {self.max_queue})")
             self.waiting.append(req)
@@ -402,7 +408,7 @@ class Engine:
         the verify graph of the plan's shape (a chain over its nodes: the same causal attention over the cached
         prefix), then the draft's prefill over the first chunk, the rest left to it as a gap (_catch_up_gaps)."""
         row, n = len(self.active), len(req.prompt_ids)
-        seq = Sequence(req, list(req.prompt_ids), n, row, req.sampling.generator(), SpecStats(self.K))
+        seq = Sequence(req, list(req.prompt_ids), n, row, req.sampling.uniforms(), SpecStats(self.K))
         self.active.append(seq)
         drafts = self._speculates(seq) and self.K > 0
         bsz = pick_bucket(self.batch_buckets, len(self.active))
@@ -418,7 +424,7 @@ class Engine:
             logits, aux = self._continue_prompt(seq, bsz, shape, q)
             rest += list(aux)
         self.metrics.prompt_tokens.inc(n)
-        self._emit(seq, [next_token(logits, req.sampling, seq.gen)])
+        self._emit(seq, [next_token(logits, req.sampling, seq.u())])
         if seq.finish_reason is None and drafts:
             nxt = torch.zeros(1, S, dtype=torch.int64)
             nxt[0, :first] = torch.tensor(seq.ids[1:first + 1])
@@ -517,7 +523,7 @@ class Engine:
         out = self._run("target_decode", bsz, kv_len_=int(pos.max()) + 1, tokens=tokens, pos=pos)
         self.target_passes += 1
         for s in self.active:
-            tok = next_token(out["logits"][s.row], s.req.sampling, s.gen)
+            tok = next_token(out["logits"][s.row], s.req.sampling, s.u())
             if s.draft_top is not None and can_speculate(s.pos + 1, 1, self.max_len):  # it may speculate again
                 s.gap.append((out["aux"][s.row], tok))
             self._emit(s, [tok])
@@ -604,7 +610,7 @@ class Engine:
                     path = accept_greedy(t, g)
                     new = [t.tokens[i] for i in path[1:]] + [g[path[-1]]]
                 else:
-                    path, new = verify_tree_sampled(logits[s.row], t, s.req.sampling, s.gen)
+                    path, new = verify_tree_sampled(logits[s.row], t, s.req.sampling, s.u())
                 a = len(path) - 1
                 s.stats.record(a, N - 1, name)
                 chooser = self.choosers.get(bsz)
@@ -622,7 +628,7 @@ class Engine:
                 if moved and s.finish_reason is None:
                     self.bundle.compact_kv(s.row, [x for x, _ in moved], [y for _, y in moved])
             else:  # past the speculation cutoff: one token from the verify's first node
-                self._emit(s, [next_token(logits[s.row, 0], s.req.sampling, s.gen)])
+                self._emit(s, [next_token(logits[s.row, 0], s.req.sampling, s.u())])
         # 4. catch the draft up on the accepted positions (rows that finished or cannot speculate
         #    write only into their own, soon irrelevant, draft cache entries)
         if any(ok and s.finish_reason is None for s, ok in zip(rows, spec)):
@@ -635,11 +641,15 @@ class Engine:
     # ------------------------------------------------------------------ output
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append tokens until EOS / max_tokens / max_model_len / a stop string; notify the listener."""
+        """Append tokens one at a time until EOS / max_tokens / max_model_len / a stop string, then notify the
+        listener. The token that ends the request is the last one kept, as in plain decoding: a round's
+        tokens after it are dropped, never counted or sent."""
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
             self.metrics.ttft.observe(seq.first_token_time - seq.req.arrival)
-        added = []
+        if self.tokenizer is not None and seq.text_stream is None:
+            seq.text_stream = self.tokenizer.stream(seq.req.stop)
+        added, delta = [], ""
         for tok in tokens:
             seq.ids.append(tok)
             added.append(tok)
@@ -647,16 +657,14 @@ class Engine:
                 seq.finish_reason = "stop"
             elif len(seq.ids) - seq.n_prompt >= seq.req.max_tokens or len(seq.ids) >= self.max_len:
                 seq.finish_reason = "length"
+            if seq.text_stream is not None:  # incremental: O(1) amortised per token (tokenizer.TextStream)
+                text, stopped = seq.text_stream.add([tok], seq.generated if seq.finish_reason else None)
+                delta += text
+                if stopped:
+                    seq.finish_reason = "stop"
             if seq.finish_reason:
                 break
         self.metrics.generation_tokens.inc(len(added))
-        delta = ""
-        if self.tokenizer is not None:  # incremental: O(1) amortised per token (tokenizer.TextStream)
-            if seq.text_stream is None:
-                seq.text_stream = self.tokenizer.stream(seq.req.stop)
-            delta, stopped = seq.text_stream.add(added, seq.generated if seq.finish_reason else None)
-            if stopped:
-                seq.finish_reason = "stop"
         if seq.req.on_event and (added or seq.finish_reason):
             seq.req.on_event(Event(added, delta, seq.finish_reason))
 

@@ -39,3 +39,27 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def whole_number(lo: int, hi: int, what: str = "a whole number"):
+    """An argparse type: an integer in [lo, hi] (at most 18 digits: no 4,300-digit parse), else one line."""
+    def parse(text: str) -> int:
+        t = text.strip()
+        n = int(t) if t.lstrip("+-").isdigit() and len(t) <= 19 else None
+        if n is None or not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be {what} from {lo} to {hi}, got {text!r}")
+        return n
+    return parse
+
+
+def seconds(lo: float, hi: float):
+    """An argparse type: a finite number of seconds in [lo, hi], else one line."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = float("nan")
+        if not lo <= x <= hi:  # (NaN and inf fail it too)
+            raise argparse.ArgumentTypeError(f"must be a number of seconds from {lo:g} to {hi:g}, got {text!r}")
+        return x
+    return parse

@@ -1,53 +1,91 @@
-"""The runtime's console entry points (eagle3-run, eagle3-serve). Each command's module is imported
-inside the guard, so that Ctrl-C during its start-up imports (torch alone takes a second) ends the
-same way as later: one line and exit 130, no traceback. A Ctrl-C is also remembered (`interrupted()`): Python
-drops a KeyboardInterrupt raised where C code swallows errors (a dict lookup's __eq__, a finalizer), so a
-command checks before it starts serving, instead of serving after a Ctrl-C that was lost; and an error escaping the
-command after a Ctrl-C (native code that wraps the KeyboardInterrupt in its own exception) ends the same way."""
+"""The runtime's console entry points (eagle3-run, eagle3-serve), and the one path every stop signal takes.
+
+From before the command's first import until uvicorn takes the signals over (and again after it hands them
+back), SIGINT and SIGTERM go to `_on_signal`: it remembers the signal and raises KeyboardInterrupt, so that
+imports, the bundle's load and the engine's start stop where they are; the command then ends with one line
+and 130 (SIGINT, "interrupted") or 143 (SIGTERM, "terminated"), no traceback. Python drops a
+KeyboardInterrupt raised where C code swallows errors (a dict lookup's __eq__, a finalizer, a library's
+`except BaseException`), so a remembered signal is also checked where start-up hands over: before the
+server is handed to uvicorn and once uvicorn's own handlers are in place (`interrupted()`); an error escaping
+the command after a signal (native code that wraps the KeyboardInterrupt in its own exception) ends the same
+way. While uvicorn serves, its handlers stop the server gracefully.
+
+`phase(name)` marks the hand-over points; with $EAGLE3_PAUSE_AT naming one (a test hook), the process stops
+there until a signal arrives, so that a test can signal each phase without guessing its timing.
+"""
 from __future__ import annotations
 
 import importlib
 import os
 import signal
 import sys
+import time
+from typing import Callable
 
-_interrupts: list[int] = []
+PAUSE_ENV = "EAGLE3_PAUSE_AT"  # "<phase>" or "<phase>:lost" (the pause swallows the KeyboardInterrupt, as C code can)
+SIGNALS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+_signals: list[int] = []
 
 
-def _on_sigint(signum, frame):
-    _interrupts.append(signum)
+def _on_signal(signum, frame):
+    _signals.append(signum)
     raise KeyboardInterrupt
 
 
 def _unraisable(u) -> None:
-    """A KeyboardInterrupt that C code swallowed is remembered by _on_sigint and reported once by the command:
+    """A KeyboardInterrupt that C code swallowed is remembered by _on_signal and reported once by the command:
     not also as Python's "Exception ignored in ..." traceback."""
     if not isinstance(u.exc_value, KeyboardInterrupt):
         sys.__unraisablehook__(u)
 
 
 def interrupted() -> bool:
-    """Whether Ctrl-C was pressed since the command started (even if its KeyboardInterrupt was lost)."""
-    return bool(_interrupts)
+    """Whether SIGINT or SIGTERM arrived since the command started (even if its KeyboardInterrupt was lost)."""
+    return bool(_signals)
+
+
+def stop_line() -> tuple[str, int]:
+    """What the command prints and exits with after a stop signal: ("interrupted", 130) for SIGINT (and a
+    KeyboardInterrupt of no signal), ("terminated", 143) for SIGTERM."""
+    sig = _signals[-1] if _signals else signal.SIGINT
+    return SIGNALS.get(sig, "interrupted"), 128 + int(sig)
+
+
+def phase(name: str, stopped: Callable[[], bool] = lambda: False) -> None:
+    """A hand-over point of start-up. With $EAGLE3_PAUSE_AT naming it: print "paused at NAME" and wait for a
+    signal (or `stopped()`), as if it arrived exactly here."""
+    want = os.environ.get(PAUSE_ENV, "")
+    if want.split(":")[0] != name:
+        return
+    print(f"paused at {name}", file=sys.stderr, flush=True)
+    try:
+        while not _signals and not stopped():
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        if not want.endswith(":lost"):
+            raise
 
 
 def _main(module: str) -> int:
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where the parent ignores it)
-        signal.signal(signal.SIGINT, _on_sigint)
-        sys.unraisablehook = _unraisable
+    for sig in SIGNALS:  # (not where the parent ignores one: a shell's `cmd &` ignores SIGINT)
+        if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):
+            signal.signal(sig, _on_signal)
+    sys.unraisablehook = _unraisable
     try:
+        phase("imports")
         return importlib.import_module(module).main()
     except KeyboardInterrupt:  # (escaped the command: during its imports, before it could clean up anything)
-        _exit_interrupted()
+        _exit_stopped()
     except Exception:
-        if not _interrupts:
+        if not _signals:
             raise
-        _exit_interrupted()  # (native code turned the KeyboardInterrupt into its own error: pydantic-core's, seen)
+        _exit_stopped()  # (native code turned the KeyboardInterrupt into its own error: pydantic-core's, seen)
 
 
-def _exit_interrupted() -> None:
-    print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)  # an import stopped half-way (torch's native init) can abort in interpreter shutdown
+def _exit_stopped() -> None:
+    line, code = stop_line()
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)  # an import stopped half-way (torch's native init) can abort in interpreter shutdown
 
 
 def run() -> None:

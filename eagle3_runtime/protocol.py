@@ -73,7 +73,7 @@ class CompletionRequest(CommonRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # other keys (name, tool_calls, ...) go to the template
     role: str
-    content: str | None = None
+    content: str | list[Any] | None = None  # a string, or content parts (text_content makes them a string)
 
 
 class ChatRequest(CommonRequest):
@@ -186,6 +186,27 @@ def _error_path(data: Any, err: dict) -> str:
     return ".".join(parts)
 
 
+def text_content(messages: list[ChatMessage]) -> None:
+    """Content given as parts (what the OpenAI SDK and many clients send: [{"type": "text", "text": ...}])
+    becomes its text parts joined by newlines, as vLLM does; any other part type is a 400 naming it."""
+    for i, m in enumerate(messages):
+        if not isinstance(m.content, list):
+            continue
+        texts = []
+        for j, part in enumerate(m.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages.{i}.content.{j}"
+            if kind != "text":
+                what = f"type {short_repr(kind)}" if isinstance(part, dict) else f"a {type(part).__name__}, not an object"
+                raise APIError(400, f"{where}: content part {what} is not supported by this server, which takes text "
+                                    'only: send {"type": "text", "text": "..."} parts or a string', param="messages")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise APIError(400, f'{where}: a text part is {{"type": "text", "text": "<a string>"}}, got '
+                                    f"{short_repr(part)}", param="messages")
+            texts.append(part["text"])
+        m.content = "\n".join(texts)
+
+
 def validate(model: type[CommonRequest], data: dict) -> CommonRequest:
     for key, allowed in _NOT_IMPLEMENTED.items():
         if key in data:
@@ -193,6 +214,9 @@ def validate(model: type[CommonRequest], data: dict) -> CommonRequest:
             if not _harmless(value, allowed):
                 raise APIError(400, f"`{key}` is not supported by this server (got {short_repr(value)}); leave it out",
                                param=key)
+    if data.get("stream_options") is not None and data.get("stream") is not True:
+        raise APIError(400, 'stream_options is only allowed with "stream": true (as OpenAI and vLLM require); '
+                            "leave it out or stream the response", param="stream_options")
     try:
         return model.model_validate(data)
     except ValidationError as e:

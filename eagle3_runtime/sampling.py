@@ -3,19 +3,26 @@
 Greedy (temperature 0): emit the target's argmax; verification accepts a draft token iff it equals
 the target's argmax at that position.
 
-Sampled (temperature > 0), with a greedy draft (draft prob q = 1 at the proposed token): at position
-i accept d_{i+1} with probability p_i(d_{i+1}); on rejection emit a sample from
-norm(max(p_i - onehot(d_{i+1}), 0)) (p_i with d_{i+1} zeroed, renormalised) and stop; if all K
-drafts are accepted emit a bonus sample from p_K. The emitted tokens then follow the target's own
-autoregressive distribution exactly (Leviathan et al. 2023, App. A.1). Temperature, top-k and top-p
-are applied to p before the test (`target_probs`), as vLLM does.
-
-Every random draw takes the caller's `torch.Generator`, so a seed reproduces the output.
+Sampled (temperature > 0): every emitted token is the inverse-CDF sample x = F_p^-1(u_t) of the target's
+distribution p at its output position t (temperature, top-k, top-p applied first, as vLLM does:
+`target_probs`), with u_t the request's uniform for position t (`Uniforms`: a counter-based stream keyed by
+the request's seed and t alone). Verification with the draft's deterministic proposals (a chain, or a
+tree's children in order) walks the tree: at node u (output position t) draw x = F_p^-1(u_t); if x is one
+of u's children the walk goes on there, else x is emitted and the round ends; at a leaf x is the bonus.
+The emitted tokens are then exactly the target's autoregressive samples: each x has distribution p,
+a child c is accepted with probability p(c) and, on rejection, x is distributed as p without the proposed
+children renormalised — what speculative sampling with a greedy draft (Leviathan et al. 2023, App. A.1)
+and recursive rejection over a tree's candidates (SpecInfer; EAGLE-2 / SGLang) give. And since x depends on
+(p, u_t) only, a seeded request emits the same tokens whatever the speculation shape (none, chain, tree),
+the batch it shares, or a shape switch mid-request: identical wherever the target's probabilities are
+(a different graph — another batch bucket, verify width or context bucket — computes them with other
+float rounding, which moves a sample only when u_t falls within that rounding of a CDF step).
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -25,6 +32,29 @@ if TYPE_CHECKING:
 
 # vLLM's rule: a temperature below this is treated as greedy (dividing by it would overflow).
 _GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+Uniform = Callable[[int], float]  # j -> the uniform of the j-th token from here on (0: the next one), in [0, 1)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) of output position `position` of a request seeded `seed`: splitmix64 of
+    (seed, position), 53 bits (a counter-based generator: any position without drawing the ones before)."""
+    z = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
+
+
+class Uniforms:
+    """One request's random numbers: its uniform for every output position (position_uniform)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed & _MASK64
+
+    def at(self, position: int) -> Uniform:
+        """The uniforms from output position `position` on: u(j) is position + j's."""
+        return lambda j=0: position_uniform(self.seed, position + j)
 
 
 @dataclass(frozen=True)
@@ -32,7 +62,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0        # (0, 1]; 1 = off
     top_k: int = 0            # 0 or -1 = off
-    seed: int | None = None   # None -> fresh OS entropy per generator()
+    seed: int | None = None   # None -> fresh OS entropy per uniforms()
 
     @property
     def greedy(self) -> bool:
@@ -49,13 +79,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
-    def generator(self) -> torch.Generator:
-        g = torch.Generator()
-        if self.seed is None:
-            g.seed()  # non-deterministic seed (std::random_device)
-        else:
-            g.manual_seed(self.seed % (1 << 64))  # accept negative / large seeds
-        return g
+    def uniforms(self) -> Uniforms:
+        """A request's stream: its seed's (negative and large seeds wrap to 64 bits), else fresh entropy."""
+        return Uniforms(secrets.randbits(64) if self.seed is None else self.seed)
 
 
 def target_probs(logits: Tensor, p: SamplingParams) -> Tensor:
@@ -70,7 +96,8 @@ def target_probs(logits: Tensor, p: SamplingParams) -> Tensor:
     if p.greedy:
         idx = logits.argmax(-1, keepdim=True)
         return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
-    probs = torch.softmax(logits / p.temperature, dim=-1)
+    # (+inf, or a huge logit over a tiny temperature, clamped to float32's largest: softmax of inf is NaN)
+    probs = torch.softmax((logits / p.temperature).clamp(max=torch.finfo(torch.float32).max), dim=-1)
     if 0 < p.top_k < V:
         kth = probs.topk(p.top_k, dim=-1).values[..., -1:]
         probs = probs.masked_fill(probs < kth, 0.0)
@@ -92,30 +119,28 @@ def _top_p(probs: Tensor, top_p: float) -> Tensor:
     if vals.shape[-1] < V and not bool((cum[..., -1] >= top_p).all()):
         vals, idx = probs.sort(dim=-1, descending=True)
         cum = vals.cumsum(-1)
-    keep = (cum - vals) < top_p  # mass strictly before the token; 0 for the argmax -> always kept
+    keep = (cum - vals) < top_p  # mass strictly before the token
+    keep[..., 0] = True  # the argmax, always (a top_p below float32's smallest number would keep nothing)
     out = torch.zeros_like(probs).scatter_(-1, idx, vals * keep)
     return out / out.sum(-1, keepdim=True)
 
 
-def sample(probs: Tensor, gen: torch.Generator | None) -> int:
-    """One token id drawn from `probs` [V] (non-negative, need not be normalised).
-
-    Inverse CDF with one uniform from `gen`: O(V) and ~10x faster than torch.multinomial at a 128k
-    vocabulary on CPU. The CDF is summed in float64; a zero-probability token is never returned.
-    """
+def sample(probs: Tensor, u: float) -> int:
+    """The token at uniform `u` in [0, 1) of `probs` [V] (non-negative, need not be normalised): the
+    inverse CDF, summed in float64, O(V) (~10x faster than torch.multinomial at a 128k vocabulary on CPU);
+    a zero-probability token is never returned."""
     cdf = probs.double().cumsum(-1)
-    x = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
-    i = int(torch.searchsorted(cdf, x, right=True))  # first i with cdf[i] > x
-    if i >= probs.shape[-1]:  # x rounded up to the total: take the last token with mass
+    i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    if i >= probs.shape[-1]:  # u * total rounded up to the total: take the last token with mass
         i = int(probs.nonzero()[-1])
     return i
 
 
-def next_token(logits: Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """Plain decode / prefill: the argmax (greedy) or a sample from target_probs(logits)."""
+def next_token(logits: Tensor, p: SamplingParams, u: Uniform | None) -> int:
+    """Plain decode / prefill: the argmax (greedy) or the sample at u(0) of target_probs(logits)."""
     if p.greedy:
         return int(logits.argmax(-1))
-    return sample(target_probs(logits, p), gen)
+    return sample(target_probs(logits, p), u(0))
 
 
 def _check_shapes(logits: Tensor, drafts: list[int]) -> None:
@@ -134,66 +159,29 @@ def verify_greedy(logits: Tensor, drafts: list[int]) -> tuple[int, list[int]]:
     return a, list(drafts[:a]) + [g[a]]
 
 
-def verify_sampled(logits: Tensor, drafts: list[int], p: SamplingParams,
-                   gen: torch.Generator | None) -> tuple[int, list[int]]:
-    """Speculative sampling with a greedy draft; returns (a, d_1..d_a + the corrected/bonus token).
-
-    The K acceptance uniforms are drawn up front in one call (independent of the outcome), then one
-    uniform for the emitted token: 2 RNG calls per round, same stream for the same seed.
-    """
+def verify_sampled(logits: Tensor, drafts: list[int], p: SamplingParams, u: Uniform | None) -> tuple[int, list[int]]:
+    """A chain's speculative sampling (the module docstring); returns (a, d_1..d_a + the corrected / bonus
+    token). Draws u(0)..u(a): one uniform per emitted token."""
     if p.greedy:
         return verify_greedy(logits, drafts)
     _check_shapes(logits, drafts)
-    K = len(drafts)
-    probs = target_probs(logits, p)                                   # [K+1, V]
-    d = torch.tensor(drafts, dtype=torch.long)
-    p_draft = probs[:K].gather(-1, d[:, None]).squeeze(-1)           # p_i(d_{i+1}), [K]
-    u = torch.rand(K, generator=gen)
-    rejected = (u >= p_draft).tolist()                               # u in [0,1): p = 1 always accepts
-    a = rejected.index(True) if True in rejected else K
-    if a == K:
-        return K, list(drafts) + [sample(probs[K], gen)]
-    residual = probs[a].clone()
-    residual[drafts[a]] = 0.0                                        # = norm(max(p - onehot(d), 0))
-    if not residual.sum() > 0:  # unreachable after normalisation (all mass on d means p_a(d) = 1); guard
-        residual = probs[a]
-    return a, list(drafts[:a]) + [sample(residual, gen)]
+    from .tree import chain_tree
+
+    path, new = verify_tree_sampled(logits, chain_tree(drafts), p, u)
+    return len(path) - 1, new
 
 
-def verify_tree_sampled(logits: Tensor, tree: "Tree", p: SamplingParams,
-                        gen: torch.Generator | None) -> tuple[list[int], list[int]]:
-    """Speculative sampling over a token tree; returns (accepted path of node indices from the root,
-    the path's tokens + the corrected/bonus token). logits [N, V] per node.
-
-    Recursive rejection over siblings with deterministic draft candidates (SpecInfer's multi-draft
-    verification; EAGLE-2 / SGLang's target-only tree sampling): at node u, with r = p_u, try u's
-    children in draft order, accepting child x with probability r(x) / sum(r); on rejection r(x) = 0
-    and the next child is tried. When no child is accepted the emitted token is a sample of r. Each
-    emitted token then has exactly the target's distribution p_u (zeroing a rejected x and
-    renormalising is the residual norm(max(p - onehot(x), 0)) of the one-candidate case). A chain goes
-    to verify_sampled, its one-child case.
-    """
-    kids = tree.children()
-    if all(len(k) <= 1 for k in kids) and kids[-1] == [] and all(kids[i] == [i + 1] for i in range(len(kids) - 1)):
-        a, new = verify_sampled(logits, tree.tokens[1:], p, gen)
-        return list(range(a + 1)), new
+def verify_tree_sampled(logits: Tensor, tree: "Tree", p: SamplingParams, u: Uniform) -> tuple[list[int], list[int]]:
+    """Speculative sampling over a token tree (the module docstring); returns (accepted path of node
+    indices from the root, the path's tokens + the corrected / bonus token). logits [N, V] per node; the
+    node at depth d draws u(d)."""
     probs = target_probs(logits, p)  # [N, V]
+    kids = tree.children()
     path = [0]
     while True:
-        u = path[-1]
-        r = probs[u].clone()
-        accepted = None
-        for c in kids[u]:
-            x = tree.tokens[c]
-            total = float(r.sum())
-            if not total > 0:
-                break
-            if float(torch.rand(1, generator=gen, dtype=torch.float64)) * total < float(r[x]):
-                accepted = c
-                break
-            r[x] = 0.0
-        if accepted is None:
-            if not r.sum() > 0:  # unreachable (a token of all the mass is always accepted); guard
-                r = probs[u]
-            return path, [tree.tokens[i] for i in path[1:]] + [sample(r, gen)]
-        path.append(accepted)
+        node = path[-1]
+        x = sample(probs[node], u(len(path) - 1))
+        child = next((c for c in kids[node] if tree.tokens[c] == x), None)
+        if child is None:
+            return path, [tree.tokens[i] for i in path[1:]] + [x]
+        path.append(child)

@@ -24,7 +24,6 @@ end the server within a few seconds (in-flight requests get GRACE_SECONDS to fin
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import contextlib
@@ -48,10 +47,10 @@ from .bundle import Bundle
 from .chat import Busy, TemplateRefused
 from .connection import HeadTimeoutH11
 from .engine import Engine, EngineDead, Event, QueueFull, Request, RequestError, describe_error
-from .errors import ArgumentParser, Eagle3Error
-from .launch import interrupted
+from .errors import ArgumentParser, Eagle3Error, seconds, whole_number
+from .launch import interrupted, phase, stop_line
 from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, ChatRequest, CommonRequest,
-                       CompletionRequest, parse_json, read_body, short_repr, validate)
+                       CompletionRequest, parse_json, read_body, short_repr, text_content, validate)
 from .sampling import SamplingParams
 from .tokenizer import load_text
 from .torch_thread import TorchThread
@@ -126,6 +125,7 @@ class Server:
             if self.chat is None:
                 raise APIError(400, "this bundle's tokenizer has no chat template; use /v1/completions",
                                param="messages")
+            text_content(r.messages)
             self._check_chars(sum(len(m.content or "") for m in r.messages), "messages")
             if r.max_completion_tokens is not None:
                 r.max_tokens = r.max_completion_tokens
@@ -424,14 +424,7 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 1 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port number from 1 to 65535, got {text!r}")
-    return n
+_port = whole_number(1, 65535, "a TCP port number")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -465,13 +458,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=_port, default=8000)
     add_speculation_arg(ap)
-    ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a free sequence slot before HTTP 503")
+    ap.add_argument("--max-queue", type=whole_number(0, 1 << 20), default=64,
+                    help="requests that may wait for a free sequence slot before HTTP 503 (default 64)")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+    ap.add_argument("--max-body-bytes", type=whole_number(1, 1 << 34), default=MAX_BODY_BYTES,
                     help=f"largest request body; a larger one gets HTTP 413 (default {MAX_BODY_BYTES})")
-    ap.add_argument("--body-timeout", type=float, default=30.0,
+    ap.add_argument("--body-timeout", type=seconds(0.01, 86400), default=30.0,
                     help="seconds a client has to send a request body; a slower one gets HTTP 408 (default 30)")
-    ap.add_argument("--timeout-keep-alive", type=float, default=5.0,
+    ap.add_argument("--timeout-keep-alive", type=seconds(0.01, 86400), default=5.0,
                     help="seconds a connection may sit idle, or take to send a request's headers, before it is "
                          "closed (default 5)")
     ap.add_argument("--debug", action="store_true", help="on an error, also print its traceback with the causes")
@@ -490,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         torch_thread.call(set_threads, args.threads)
         mode = speculation_mode(args, os.environ)
         sock = bind(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None  # (rank 0 serves)
+        phase("load")
         bundle, ctx = torch_thread.call(open_bundle, args.bundle, args.expect_digest, args.verify_signature,
                                         args.trust_remote_code)
         if bundle is None:  # a TP worker rank: the driver has finished
@@ -500,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout)
         print("\n".join(server.engine.speculation_report()), file=sys.stderr, flush=True)
-        if interrupted():  # a Ctrl-C during start-up whose KeyboardInterrupt was lost
+        phase("ready")
+        if interrupted():  # a signal during start-up whose KeyboardInterrupt was lost
             raise KeyboardInterrupt
     except Eagle3Error as e:
         print_cause(e)
@@ -508,10 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         _stop(server, ctx)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        line, code = stop_line()
+        print(line, file=sys.stderr)
         _stop(server, ctx)
-        _leave_if_busy(torch_thread, 130)
-        return 130
+        _leave_if_busy(torch_thread, code)
+        return code
     try:
         code = serve(server, sock, args.timeout_keep_alive)
     finally:
@@ -526,6 +523,14 @@ def serve(server: Server, sock: socket.socket, timeout_keep_alive: float = 5.0) 
     import uvicorn
 
     class Uvicorn(uvicorn.Server):
+        stopped_at_start = False
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)  # (inside uvicorn's capture_signals: its handlers are in place)
+            phase("serving", lambda: self.should_exit)
+            if interrupted():  # a signal before uvicorn took the handlers over, whose KeyboardInterrupt was lost
+                self.should_exit = self.stopped_at_start = True
+
         async def shutdown(self, sockets=None):
             server.begin_shutdown()  # in-flight requests end now, so none is left to cancel
             await super().shutdown(sockets)
@@ -535,11 +540,15 @@ def serve(server: Server, sock: socket.socket, timeout_keep_alive: float = 5.0) 
     server.uvicorn = Uvicorn(config)
     server.start()
     try:
+        phase("serve")
         server.uvicorn.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # uvicorn hands a signal it stopped on back to us (ours again), as KeyboardInterrupt
+        if not server.uvicorn.started:
+            raise  # (before it served: the start-up path, one line and 130 / 143)
     finally:
         server.stop()
+    if server.uvicorn.stopped_at_start:
+        raise KeyboardInterrupt
     return server.exit_code
 
 
@@ -568,5 +577,7 @@ def _stop(server: Server | None, ctx) -> None:
             shutdown(ctx, barrier=False)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # (python -m eagle3_runtime.server: the console entry point's path, its signal handling too)
+    from eagle3_runtime.launch import serve as _serve
+
+    _serve()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .backends import backend_class
 from .backends.base import DTYPES, GraphRunner, TPContext
 from .bundle import Bundle
-from .errors import Eagle3Error
+from .errors import Eagle3Error, whole_number
 from .reader import read_manifest
 from .tokenizer import load_text
 
@@ -76,16 +76,7 @@ def set_threads(n: int | None = None) -> int:
     return n
 
 
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
-    return n
+_positive_int = whole_number(1, 1 << 16, "a positive whole number")
 
 
 def add_threads_arg(ap) -> None:

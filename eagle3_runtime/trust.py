@@ -69,6 +69,8 @@ def pins(ref: str, expect_digest: str | None = None, public_key: str | os.PathLi
     if in_ref and flag and in_ref != flag:
         raise TrustError(f"the reference pins sha256:{in_ref} but --expect-digest says sha256:{flag}; "
                          "give one digest")
+    if public_key:  # a key file that is not an ed25519 public key is refused before any bundle is read
+        _read_key(Path(public_key), private=False)
     return base, Pins(in_ref or flag, Path(public_key) if public_key else None)
 
 
@@ -125,27 +127,83 @@ def generate_key(prefix: Path) -> tuple[Path, Path]:
     return key_path, pub_path
 
 
+MAX_KEY_BYTES = 64 << 10  # a key file is a few hundred bytes
+
+
 def _read_key(path: Path, private: bool):
-    serialization, ed25519, _ = _crypto()
+    """The ed25519 key in `path` (PEM or OpenSSH); TrustError naming the file, what it holds and what is expected."""
+    _, ed25519, _ = _crypto()
+    want = "private" if private else "public"
+    expected = (f"expected an ed25519 {want} key (PEM or OpenSSH): "
+                + ("sign with the PREFIX.key" if private else "verify with the PREFIX.pub")
+                + " that `eagle3-build keygen PREFIX` wrote, or an `ssh-keygen -t ed25519` key")
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_KEY_BYTES + 1)
+    except IsADirectoryError as e:
+        raise TrustError(f"{path}: a directory, {expected}") from e
     except OSError as e:
-        raise TrustError(f"{path}: cannot read the key ({e.strerror})") from e
+        raise TrustError(f"{path}: cannot read the key ({e.strerror or e}); {expected}") from e
     kind = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
-    loaders = ((serialization.load_pem_private_key, serialization.load_ssh_private_key) if private else
-               (serialization.load_pem_public_key, serialization.load_ssh_public_key))
-    err = None
-    for load in loaders:
+    key, what, err = _load_any_key(data)
+    if isinstance(key, kind):
+        return key
+    raise TrustError(f"{path}: {what}, {expected}") from err
+
+
+def _load_any_key(data: bytes) -> tuple[object | None, str, Exception | None]:
+    """(the key, what it is, None) for a PEM or OpenSSH key of any kind; (None, what the bytes are, why the
+    loader refused them) otherwise."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization as s
+
+    if len(data) > MAX_KEY_BYTES:
+        return None, f"a file of more than {MAX_KEY_BYTES} bytes, not a key", None
+    text = data.strip()
+    if not text:
+        return None, "an empty file", None
+    if text.startswith(b"-----BEGIN "):
+        label = text[11:].split(b"-----", 1)[0].decode("ascii", "replace")
+        form = "OpenSSH" if label == "OPENSSH PRIVATE KEY" else "PEM"
+        loaders = ((s.load_ssh_private_key, "private"),) if form == "OpenSSH" else (
+            (s.load_pem_private_key, "private"), (s.load_pem_public_key, "public"))
+        err = None
+        for load, half in loaders:
+            try:
+                key = load(data, None) if half == "private" else load(data)
+            except TypeError as e:  # (a private key needing its passphrase)
+                return None, f"an encrypted private key ({form}); decrypt it first (ssh-keygen -p)", e
+            except (ValueError, UnsupportedAlgorithm) as e:
+                err = e
+                continue
+            return key, f"{_algorithm(key)} {half} key ({form})", None
+        return None, f"a PEM block labelled {label[:40]!r} that is not a key this tool reads", err
+    first = text.split(None, 1)[0][:40].decode("ascii", "replace")
+    if first.startswith(("ssh-", "ecdsa-", "sk-")):
         try:
-            key = load(data, None) if private else load(data)
-        except (ValueError, TypeError) as e:
-            err = e
-            continue
-        if isinstance(key, kind):
-            return key
-        err = TypeError(f"a {type(key).__name__}")
-    raise TrustError(f"{path}: not an ed25519 {'private' if private else 'public'} key (PEM or OpenSSH); "
-                     "make one with `eagle3-build keygen PREFIX` or `ssh-keygen -t ed25519`") from err
+            key = s.load_ssh_public_key(data)
+        except (ValueError, UnsupportedAlgorithm) as e:
+            return None, f"an OpenSSH {first} public key that cannot be read", e
+        return key, f"{_algorithm(key)} public key (OpenSSH)", None
+    return None, "neither a PEM nor an OpenSSH key", None
+
+
+def _algorithm(key) -> str:
+    """'an RSA-2048', 'an EC (secp256r1)', 'an ed25519', ... for a key of either half."""
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa, x448, x25519
+
+    for kinds, name in (((ed25519.Ed25519PrivateKey, ed25519.Ed25519PublicKey), "an ed25519"),
+                        ((ed448.Ed448PrivateKey, ed448.Ed448PublicKey), "an Ed448"),
+                        ((x25519.X25519PrivateKey, x25519.X25519PublicKey), "an X25519"),
+                        ((x448.X448PrivateKey, x448.X448PublicKey), "an X448"),
+                        ((dsa.DSAPrivateKey, dsa.DSAPublicKey), "a DSA")):
+        if isinstance(key, kinds):
+            return name
+    if isinstance(key, (rsa.RSAPrivateKey, rsa.RSAPublicKey)):
+        return f"an RSA-{key.key_size}"
+    if isinstance(key, (ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey)):
+        return f"an EC ({key.curve.name})"
+    return f"a {type(key).__name__}"
 
 
 def key_id(public_key) -> str:

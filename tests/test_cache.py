@@ -245,3 +245,40 @@ def test_plan_reports_cache_status_estimates_and_weight_sizes(world, pair, tmp_p
         assert after["weight_bytes_per_rank"][model] == written
     text = cli_inproc("eagle3-build", "plan", str(pair), env=env).stdout
     assert f"{GRAPHS} graphs (0 to compile)" in " ".join(text.split())
+
+
+def test_entry_json_that_is_not_an_entry_is_a_miss_listed_and_pruned(world, pair, tmp_path):
+    """entry.json holding `[]`, an object without its files, or truncated JSON: `compile` compiles that graph again
+    (the entry replaced), `cache ls` lists it as corrupt, `cache prune` removes it; a failure record or trace memo
+    that is not an object is no traceback either."""
+    from eagle3_build.compile.cache import CompileCache
+
+    cache = warm_cache(world, tmp_path)
+    bad = {"[]": "[]", "no files": '{"key": "x", "files": 3}', "truncated": '{"backend": "export", "fi'}
+    entries = sorted(cache.glob("graphs/*/*/entry.json"))[:len(bad)]
+    for path, text in zip(entries, bad.values()):
+        path.write_text(text)
+    (cache / "failures").mkdir(exist_ok=True)
+    (cache / "failures" / f"{'0' * 64}.json").write_text("[]")
+    next(cache.glob("traces/*.json")).write_text("[]")
+    env = {"EAGLE3_BUILD_CACHE": str(cache)}
+
+    listing = json.loads(cli_inproc("eagle3-build", "cache", "ls", "--json", env=env).stdout)
+    corrupt = {e["key"] for e in listing["entries"] if e.get("corrupt")}
+    assert corrupt == {p.parent.name for p in entries} and len(listing["entries"]) == GRAPHS
+    r = cli_inproc("eagle3-build", "cache", "ls", env=env)
+    assert r.returncode == 0 and r.stdout.count("corrupt") >= len(bad), r.stdout
+
+    copy = tmp_path / "copy"
+    shutil.copytree(cache, copy)
+    r, ev = compile_json(pair, tmp_path / "b", cache, inproc=True)
+    assert r.returncode == 0, r.stderr
+    assert sum(s == "compiled" for s in statuses(ev).values()) == len(bad)
+    assert all(json.loads(p.read_text())["files"] for p in entries)  # replaced by the new compiles
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["digest"] == \
+        json.loads((world["bundle"] / "manifest.json").read_text())["digest"]
+
+    r = cli_inproc("eagle3-build", "cache", "prune", "--older-than", "1", env={"EAGLE3_BUILD_CACHE": str(copy)})
+    assert r.returncode == 0 and f"removed {len(bad)} entries" in r.stderr, r.stderr
+    assert not any((copy / p.relative_to(cache)).parent.exists() for p in entries)
+    assert len(CompileCache(copy).entries()) == GRAPHS - len(bad)

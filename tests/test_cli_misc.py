@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from conftest import cli_inproc
+from conftest import cli_inproc, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,3 +54,15 @@ def test_help_lists_every_command_in_one_line():
     for name, cmd in cache.commands.items():
         summary = cmd.help.split("\n\n")[0].strip()
         assert "\n" not in summary and summary in shown and name in cli.__doc__, name
+
+
+def test_usage_errors_are_one_line():
+    """A value of the wrong type, a missing argument, an unknown command or option: one line naming it and
+    where the help is, exit 2 (not the boxed usage text)."""
+    for args, needle in [(("cache", "prune", "--max-size", "10GB"), "Invalid value for '--max-size'"),
+                         (("compile", "x.yaml", "--jobs", "abc"), "Invalid value for '--jobs'"),
+                         (("compile",), "Missing argument 'recipe'"), (("nosuch",), "No such command 'nosuch'"),
+                         (("plan", "x.yaml", "--bogus"), "No such option: --bogus")]:
+        r = run_cli("eagle3-build", *args)  # (the console entry point: cli_inproc drives the typer app itself)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "--help)" in lines[0], (args, r.stderr)

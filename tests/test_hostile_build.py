@@ -533,3 +533,147 @@ def test_the_demo_downloads_live_in_the_marked_cache_and_survive_clear(tmp_path,
     assert CompileCache(root).open().is_marked()
     CompileCache(root).clear()
     assert wheel.read_text() == "w"
+
+
+# ------------------------------------------------------------------ a full compile cache: one line naming it
+
+def test_a_full_compile_cache_is_one_line(world, tmp_path, monkeypatch):
+    """A compile cache on a filesystem with no room: refused before the compiler writes there (torch aborts the
+    process on a full disk), and a cache write that fails with ENOSPC: one line naming the cache, that it is
+    full, and the fix, exit 2; no bundle, no temporary file left behind."""
+    from eagle3_build.compile import cache as cache_mod
+
+    art, cache = tmp_path / "art", warm(world, tmp_path / "cache", missing="target_decode_b1")
+    env = {"EAGLE3_BUILD_CACHE": str(cache)}
+    monkeypatch.setattr(cache_mod, "disk_free", lambda path: 10_000, raising=False)
+    r = cli("compile", world["recipe"], "--out", art / "b", "--no-verify", env=env)
+    one_line(r, f"compile cache {cache} is full (0.0 MB free on its filesystem", after_progress=True)
+    assert "EAGLE3_BUILD_CACHE or --cache-dir" in r.stderr and "--out" not in r.stderr
+    assert not (art / "b").exists() and leftovers(art, cache) == []
+
+    monkeypatch.setattr(cache_mod, "disk_free", lambda path: None)
+    real = Path.write_text
+
+    def no_space_in_the_cache(self, text, *a, **k):
+        if cache in self.parents:  # (a partial write, then the error, as a full disk gives)
+            real(self, text[:1], *a, **k)
+            raise OSError(28, "No space left on device")
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", no_space_in_the_cache)
+    r = cli("compile", world["recipe"], "--out", art / "b", "--no-verify", env=env)
+    one_line(r, f"compile cache {cache} is full (No space left on device (ENOSPC)); free space on its filesystem",
+             after_progress=True)
+    assert not (art / "b").exists() and leftovers(art, cache) == []
+    assert [p.name for p in (cache / "traces").iterdir() if p.name.startswith(".")] == []
+
+    def no_new_directory(self):  # (a full ext4 refuses even a new directory)
+        raise OSError(28, "No space left on device", str(self.root / "tmp" / "new"))
+
+    monkeypatch.setattr(cache_mod.CompileCache, "_new_staging", no_new_directory)
+    r = cli("cache", "prune", "--max-size", "0", env=env)  # (the fix the line names works on a full disk)
+    assert r.exit_code == 0 and f"removed {len(world['keys']) - 1} entries" in r.stderr, r.output
+
+
+def test_a_compile_cache_on_a_full_filesystem_is_one_line(world, tmp_path):
+    """The real thing where this host allows it: a 256 kB tmpfs (a user namespace, no root needed) as the cache."""
+    small, art = tmp_path / "small", tmp_path / "art"
+    small.mkdir()
+    art.mkdir()
+    mount = 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"'
+    if subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(small), "true"], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (unshare -rm: no user namespaces)")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(small), sys.executable, "-c", CODE, "compile",
+                        str(world["recipe"]), "--out", str(art / "b"), "--no-verify"], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, COLUMNS="200", EAGLE3_BUILD_CACHE=str(small / "cache")))
+    one_line(r, f"compile cache {small / 'cache'} is full (", after_progress=True)
+    assert "c10::Error" not in r.stderr and list(art.iterdir()) == []
+
+
+def test_numeric_options_are_range_checked_before_any_work(world, tmp_path):
+    """Zero, negative, NaN, infinite and absurd values of every numeric option: one line naming the option and
+    its range, exit 2, before anything is read or written."""
+    recipe, bundle, cache = world["recipe"], world["ref"], tmp_path / "cache"
+    cases = [(["cache", "prune", "--max-size", v], "--max-size") for v in ("inf", "nan", "-1", "1e30", "1e400")]
+    cases += [(["cache", "prune", "--older-than", v], "--older-than") for v in ("inf", "nan", "-0.5", "1e12")]
+    cases += [(["compile", recipe, "--out", tmp_path / "b", "--jobs", v], "--jobs") for v in ("0", "-2", "10" * 20)]
+    cases += [(["check", bundle, "--ranks", v], "--ranks") for v in ("0", "-1", "1000000000")]
+    verify = {"--num-prompts": ("0", "-3", "10" * 12), "--max-tokens": ("0", "-1", "10" * 12),
+              "--min-acceptance-length": ("nan", "inf", "-1", "0.5", "1e9")}
+    cases += [(["verify", bundle, opt, v], opt) for opt, vs in verify.items() for v in vs]
+    tiny = {"--seed": ("-1", str(2**64)), "-k": ("0", "-1", "1000"), "--max-model-len": ("0", "-5", "10" * 9)}
+    cases += [(["make-tiny-pair", tmp_path / "tp", opt, v], opt) for opt, vs in tiny.items() for v in vs]
+    for args, option in cases:
+        r = cli(*args, env={"EAGLE3_BUILD_CACHE": str(cache)})
+        one_line(r, option)
+        assert "expected" in r.stderr and " from " in r.stderr, (args, r.stderr)
+    assert not cache.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_key_file_of_the_wrong_kind_is_one_line(world, tmp_path):
+    """--verify-signature given a private key, another algorithm's key, random bytes, an empty file or a directory
+    (and `sign --key` a public key): one line naming the file, what it holds and what is expected, exit 2, from
+    `check`, `pull` and the runtime's `eagle3-run` alike (its own one-line error)."""
+    from cryptography.hazmat.primitives import serialization as s
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa, x25519
+
+    from conftest import cli_inproc
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    assert cli("keygen", keys / "release").exit_code == 0
+    pem, raw = s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    (keys / "rsa.key").write_bytes(rsa_key.private_bytes(pem, s.PrivateFormat.PKCS8, s.NoEncryption()))
+    (keys / "ec.pub").write_bytes(ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(pem, raw))
+    (keys / "x25519.pub").write_bytes(x25519.X25519PrivateKey.generate().public_key().public_bytes(pem, raw))
+    (keys / "rsa-ssh.pub").write_bytes(rsa_key.public_key().public_bytes(s.Encoding.OpenSSH, s.PublicFormat.OpenSSH))
+    (keys / "random").write_bytes(bytes(range(256)) * 4)
+    (keys / "empty").write_bytes(b"")
+    (keys / "dir").mkdir()
+    cases = {"release.key": "an ed25519 private key (PEM)", "rsa.key": "an RSA-1024 private key (PEM)",
+             "ec.pub": "an EC (secp256r1) public key (PEM)", "x25519.pub": "an X25519 public key (PEM)",
+             "rsa-ssh.pub": "an RSA-1024 public key (OpenSSH)", "random": "neither a PEM nor an OpenSSH key",
+             "empty": "an empty file", "dir": "a directory"}
+    expected = "expected an ed25519 public key (PEM or OpenSSH): verify with the PREFIX.pub that `eagle3-build keygen"
+    for name, what in cases.items():
+        r = cli("check", world["ref"], "--verify-signature", keys / name)
+        one_line(r, f"{keys / name}: {what}, {expected}")
+    r = cli("pull", f"file://{tmp_path / 'remote'}", "--verify-signature", keys / "release.key")
+    one_line(r, f"{keys / 'release.key'}: an ed25519 private key (PEM), {expected}")
+    r = cli("sign", world["ref"], "--key", keys / "release.pub")
+    one_line(r, f"{keys / 'release.pub'}: an ed25519 public key (PEM), expected an ed25519 private key")
+    assert not (world["ref"] / "manifest.sig").exists()
+
+    r = cli_inproc("eagle3-run", world["ref"], "--prompt", "hi", "--verify-signature", keys / "rsa.key")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {keys / 'rsa.key'}: an RSA-1024 private key (PEM), {expected}"), r.stderr
+
+
+# ------------------------------------------------------------------ recipe limits against the target and this host
+
+def test_recipe_limits_are_checked_against_the_target_before_anything_is_sized(world, tmp_path):
+    """serving.max_model_len past the target's max_position_embeddings, and a KV cache larger than this host's
+    memory: one line at the recipe's key and line from `plan` and `compile`, before any tensor is allocated
+    (`plan --no-keys`, which allocates nothing, plans it with a note)."""
+    pair_dir = world["recipe"].parent
+    text = (f"pairs:\n  - name: limits\n    target: {pair_dir / 'target'}\n    draft: {pair_dir / 'draft'}\n"
+            "    dtype: float32\n    speculation: {num_speculative_tokens: 3}\n"
+            "    serving:\n      max_num_seqs: 1\n      max_model_len: 4096\n    buckets: {prefill: [64]}\n")
+    long_ = tmp_path / "long.yaml"
+    long_.write_text(text)
+    wide = tmp_path / "wide.yaml"  # 16M sequences x 1000 positions: a KV cache of ~22 TB
+    wide.write_text(text.replace("max_num_seqs: 1", "max_num_seqs: 16777216").replace("len: 4096", "len: 1000"))
+    env, out = {"EAGLE3_BUILD_CACHE": str(tmp_path / "cache")}, tmp_path / "art" / "b"
+    why = {long_: f"{long_}:9: pairs[0].serving.max_model_len: 4096 is more than the target supports: 1024 positions "
+                  "(max_position_embeddings in its config.json); lower it to at most 1024",
+           wide: f"{wide}:8: pairs[0].serving.max_num_seqs: 16777216 sequence(s) x 1000 positions make a KV cache of "}
+    for recipe, line in why.items():
+        one_line(cli("plan", recipe, env=env), line)
+        one_line(cli("compile", recipe, "--out", out, "--no-verify", env=env), line)
+    one_line(cli("plan", long_, "--no-keys", env=env), why[long_])
+    r = cli("plan", wide, "--no-keys", env=env)
+    assert r.exit_code == 0 and "note: a build on this host would be refused: " in r.stdout, r.output
+    assert "TB per rank (target" in r.stdout and "of memory available on this host" in r.stdout
+    assert not out.parent.exists()

@@ -10,7 +10,7 @@ PACKAGES = ("eagle3_runtime", "eagle3_build")
 
 # the builder's stages, lowest first: a module may import its own stage or one below it
 STAGES = [
-    ["", "errors", "files", "progress"],
+    ["", "errors", "files", "host", "progress"],
     ["recipe", "buckets"],
     ["models"],
     ["checkpoints"],

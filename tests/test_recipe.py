@@ -394,3 +394,33 @@ def test_file_and_top_level_errors(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("pairs: []\n")
     assert_issue(load_err(path), path, 1, "pairs", "must not be empty")
+
+
+def test_numbers_too_long_or_too_large_are_reported_at_their_key_and_line(tmp_path):
+    """An int of more digits than Python reads (4300), a hex int of 4,000 digits, a float that overflows: each at
+    its key and line (not `could not load recipe` with neither, nor a pydantic traceback later)."""
+    text = BASE.replace("max_model_len: 256", "max_model_len: " + "9" * 4400) + (
+        "    buckets:\n      prefill: [64, 0x" + "f" * 4000 + "]\n"
+        "    verify:\n      min_acceptance_length: 1" + "0" * 400 + ".5\n")
+    path = write(tmp_path, text)
+    err = load_err(path)
+    assert_issue(err, path, line_no(text, "max_model_len"), "pairs[0].serving.max_model_len",
+                 "(4400 characters) is too long to read as a number; give a number of at most 19 digits")
+    assert_issue(err, path, line_no(text, "prefill:"), "pairs[0].buckets.prefill[1]", "0xffffffffff…",
+                 "is too large (more than 9223372036854775807)")
+    assert_issue(err, path, line_no(text, "min_acceptance_length"), "pairs[0].verify.min_acceptance_length",
+                 "overflows to infinity")
+
+
+def test_sizes_past_what_a_bundle_records_are_refused_at_their_line(tmp_path):
+    """serving sizes and bucket lists past the manifest's bounds (what the runtime accepts) are recipe errors."""
+    text = BASE.replace("max_num_seqs: 1", "max_num_seqs: 1000000000").replace(
+        "max_model_len: 256", "max_model_len: 1000000000000") + "    buckets:\n      prefill: [" + ", ".join(
+        str(i) for i in range(1, 71)) + "]\n"
+    path = write(tmp_path, text)
+    err = load_err(path)
+    assert_issue(err, path, line_no(text, "max_model_len"), "pairs[0].serving.max_model_len",
+                 "must be <= 16777216, got integer 1000000000000")
+    assert_issue(err, path, line_no(text, "max_num_seqs"), "pairs[0].serving.max_num_seqs", "must be <= 16777216")
+    assert_issue(err, path, line_no(text, "prefill:"), "pairs[0].buckets.prefill", "at most 64 entries, got 70")
+    assert not any("max_num_batched_tokens" in i.key for i in err.errors)  # (its default: no second report)

@@ -89,4 +89,4 @@ def test_both_clis_refuse_bad_thread_counts():
     r = subprocess.run([sys.executable, "-c", CLI_THREADS], capture_output=True, text=True, timeout=300)
     assert r.stdout.split() == ["2"] * 4, r.stdout + r.stderr
     assert r.stderr.count("error: EAGLE3_NUM_THREADS='0' is not a positive whole number of threads") == 2, r.stderr
-    assert r.stderr.count("--threads: must be a positive whole number, got '0'") == 2, r.stderr
+    assert r.stderr.count("--threads: must be a positive whole number from 1 to 65536, got '0'") == 2, r.stderr

@@ -5,8 +5,13 @@ import math
 import pytest
 import torch
 
-from eagle3_runtime.sampling import (SamplingParams, next_token, sample, target_probs, verify_greedy,
-                                     verify_sampled)
+from eagle3_runtime.sampling import (SamplingParams, Uniforms, next_token, position_uniform, sample, target_probs,
+                                     verify_greedy, verify_sampled)
+
+
+def draws(gen: torch.Generator):
+    """Fresh uniforms from `gen`, one per call (what the statistical checks need: independent trials)."""
+    return lambda j=0: float(torch.rand((), generator=gen, dtype=torch.float64))
 
 # ---------------------------------------------------------------------------------------------
 # target_probs and SamplingParams
@@ -126,7 +131,7 @@ def test_verify_shape_checked():
     with pytest.raises(ValueError, match=r"K\+1"):
         verify_greedy(torch.randn(3, 10), [1, 2, 3])
     with pytest.raises(ValueError, match=r"K\+1"):
-        verify_sampled(torch.randn(3, 10), [1, 2, 3], SamplingParams(), torch.Generator())
+        verify_sampled(torch.randn(3, 10), [1, 2, 3], SamplingParams(), draws(torch.Generator()))
 
 
 @pytest.mark.parametrize("kw, msg", [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
@@ -142,12 +147,47 @@ def test_validate_ok():
         SamplingParams(**kw).validate()
 
 
+def _extreme_logits(V: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    out = [torch.randn(V, generator=g) * s for s in (1e-6, 1.0, 30.0, 1e4, 1e30)]
+    out.append(torch.zeros(V))  # every token tied
+    one = torch.full((V,), -math.inf)
+    one[3] = 0.0
+    out.append(one)  # one finite logit (a masked vocabulary)
+    huge = torch.randn(V, generator=g)
+    huge[5], huge[6] = float("inf"), 3e38
+    out.append(huge)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 0.5, 1.0, 1e6, 1e30])
+def test_sampling_is_safe_at_extreme_values(temperature):
+    """Whatever the logits and the filters: a finite distribution summing to 1 that keeps the most likely
+    token (a top_p or top_k that would leave nothing keeps it), and every uniform draws a token it gives mass."""
+    V = 40
+    for logits in _extreme_logits(V):
+        base = target_probs(logits, SamplingParams(temperature=temperature))
+        for top_p in (5e-324, 1e-300, 1e-45, 1e-7, 0.3, 1.0):
+            for top_k in (-1, 0, 1, 2, V - 1, V, 10 ** 9):
+                p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+                p.validate()
+                probs = target_probs(logits, p)
+                assert torch.isfinite(probs).all() and (probs >= 0).all(), (logits, p)
+                assert abs(float(probs.sum()) - 1) < 1e-5, (logits, p, probs)
+                assert base[probs > 0].max() == base.max(), (logits, p, probs)  # a most likely token is kept
+                for u in (0.0, 0.5, 1 - 2 ** -53):
+                    assert probs[sample(probs, u)] > 0
+                if top_k == 1 or top_p < 1e-7:  # only the most likely token (or tokens tied with it) is left
+                    assert bool((base[probs > 0] == base.max()).all()), (logits, p, probs)
+
+
 def test_sample_never_picks_zero_probability():
-    g = torch.Generator().manual_seed(4)
+    u = draws(torch.Generator().manual_seed(4))
     probs = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0])
-    seen = {sample(probs, g) for _ in range(2000)}
+    seen = {sample(probs, u()) for _ in range(2000)}
     assert seen == {1, 3}
-    assert sample(torch.tensor([0.0, 0.0, 2.0, 0.0]), g) == 2  # unnormalised, single mass
+    assert sample(torch.tensor([0.0, 0.0, 2.0, 0.0]), u()) == 2  # unnormalised, single mass
+    assert sample(probs, 0.0) == 1 and sample(probs, 0.35) == 3 and sample(probs, 1 - 2 ** -53) == 3
 
 
 def test_certain_drafts_always_accepted():
@@ -156,9 +196,9 @@ def test_certain_drafts_always_accepted():
     for i, d in enumerate(drafts):
         logits[i, d] = 0.0
     logits[3, 1] = 0.0
-    g = torch.Generator().manual_seed(5)
+    u = draws(torch.Generator().manual_seed(5))
     for _ in range(200):
-        assert verify_sampled(logits, drafts, SamplingParams(), g) == (3, drafts + [1])
+        assert verify_sampled(logits, drafts, SamplingParams(), u) == (3, drafts + [1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,16 +209,28 @@ def test_same_seed_same_outputs():
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(6))
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
 
-    def run(gen):
-        out = [verify_sampled(logits, [0, 1, 2, 3], params, gen) for _ in range(100)]
-        return out + [next_token(logits[0], params, gen) for _ in range(100)]
+    def run(stream: Uniforms):
+        out = [verify_sampled(logits, [0, 1, 2, 3], params, stream.at(t)) for t in range(100)]
+        return out + [next_token(logits[0], params, stream.at(t)) for t in range(100)]
 
-    a, b = run(params.generator()), run(params.generator())
+    a, b = run(params.uniforms()), run(params.uniforms())
     assert a == b
-    assert run(SamplingParams(seed=99).generator()) != a
-    # seed None: fresh entropy, two generators differ
-    x, y = SamplingParams().generator(), SamplingParams().generator()
-    assert torch.rand(8, generator=x).tolist() != torch.rand(8, generator=y).tolist()
+    assert run(SamplingParams(seed=99).uniforms()) != a
+    assert SamplingParams(seed=-1).uniforms().seed == SamplingParams(seed=2 ** 64 - 1).uniforms().seed  # 64-bit wrap
+    # seed None: fresh entropy, two streams differ
+    x, y = SamplingParams().uniforms(), SamplingParams().uniforms()
+    assert [x.at(t)() for t in range(8)] != [y.at(t)() for t in range(8)]
+
+
+def test_position_uniforms_are_uniform_and_independent_of_order():
+    """One uniform per (seed, position): the same whichever positions were drawn before, in [0, 1), and
+    uniform (a chi-square over 20 bins of 100k draws across seeds and positions)."""
+    assert Uniforms(7).at(5)(2) == position_uniform(7, 7) == Uniforms(7).at(7)()
+    us = torch.tensor([position_uniform(s, t) for s in range(1000) for t in range(100)])
+    assert 0 <= float(us.min()) and float(us.max()) < 1
+    counts = torch.histc(us, bins=20, min=0, max=1)
+    chi2 = float(((counts - len(us) / 20) ** 2 / (len(us) / 20)).sum())
+    assert chi2 < 43.8  # 19 degrees of freedom, p = 0.001
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +264,8 @@ def _conditional_checks(sampler, logits, drafts, params, seed=0, trials=TRIALS):
     probs = target_probs(logits, params)
     gen = torch.Generator().manual_seed(seed)
     pad = [-1] * (K + 1)
-    outs = torch.tensor([(sampler(logits, drafts, params, gen)[1] + pad)[:K + 1] for _ in range(trials)])
+    u = draws(gen)
+    outs = torch.tensor([(sampler(logits, drafts, params, u)[1] + pad)[:K + 1] for _ in range(trials)])
     d = torch.tensor(drafts)
     null_gen = torch.Generator().manual_seed(seed + 1)
     results = []
@@ -257,7 +310,8 @@ def test_speculative_sampling_preserves_target_distribution(which):
     results = _conditional_checks(verify_sampled, logits, drafts, params)
     _report(f"verify_sampled, {which} draft {drafts}", results)
     assert _passes(results), results
-    assert results[0][1] == TRIALS and all(n > 0 for _, n, _, _ in results)
+    # (a bad chain's full acceptance has probability ~1e-4: positions 0..K-1 are reached, K may not be)
+    assert results[0][1] == TRIALS and all(n > 0 for _, n, _, _ in results[:K])
     if which == "good":  # enough samples at every position for the check to have power
         assert all(n >= 500 for _, n, _, _ in results)
 
@@ -279,25 +333,25 @@ def test_speculative_sampling_with_filters():
 
 # broken samplers: the same check must reject them (proves the test can fail)
 
-def _always_accept(logits, drafts, params, gen):
+def _always_accept(logits, drafts, params, u):
     probs = target_probs(logits, params)
-    return len(drafts), list(drafts) + [sample(probs[-1], gen)]
+    return len(drafts), list(drafts) + [sample(probs[-1], u())]
 
 
-def _resample_from_p(logits, drafts, params, gen):
+def _resample_from_p(logits, drafts, params, u):
     """Classic bug: on rejection sample from p_i instead of the residual (p_i without the draft)."""
     probs = target_probs(logits, params)
     for i, d in enumerate(drafts):
-        if float(torch.rand(1, generator=gen)) >= probs[i, d]:
-            return i, list(drafts[:i]) + [sample(probs[i], gen)]
-    return len(drafts), list(drafts) + [sample(probs[-1], gen)]
+        if u() >= probs[i, d]:
+            return i, list(drafts[:i]) + [sample(probs[i], u())]
+    return len(drafts), list(drafts) + [sample(probs[-1], u())]
 
 
-def _bonus_from_wrong_position(logits, drafts, params, gen):
+def _bonus_from_wrong_position(logits, drafts, params, u):
     """Off-by-one: the bonus token drawn from p_{K-1} instead of p_K."""
-    a, out = verify_sampled(logits, drafts, params, gen)
+    a, out = verify_sampled(logits, drafts, params, u)
     if a == len(drafts):
-        out[-1] = sample(target_probs(logits, params)[-2], gen)
+        out[-1] = sample(target_probs(logits, params)[-2], u())
     return a, out
 
 

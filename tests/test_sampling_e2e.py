@@ -312,22 +312,21 @@ def run_trials(engine, n: int, seed0: int = 0):
 @pytest.fixture(scope="module")
 def runs(pair):
     """{draft: (token lists, summed SpecStats, seconds, Counter of proposed draft tokens)}. The real
-    verify_sampled runs (the engine's tree sampler hands a chain to it); a pass-through spy only records
-    which tokens the compiled draft proposed."""
-    import eagle3_runtime.sampling as sampling_mod
+    verify_tree_sampled runs; a pass-through spy only records which tokens the compiled draft proposed."""
+    import eagle3_runtime.engine as engine_mod
 
-    real = sampling_mod.verify_sampled
+    real = engine_mod.verify_tree_sampled
     out = {}
     for i, (name, engine) in enumerate(pair["engines"].items()):
         proposed: collections.Counter = collections.Counter()
 
-        def spy(logits, drafts, p, gen, _seen=proposed):
-            _seen.update(drafts)
-            return real(logits, drafts, p, gen)
+        def spy(logits, tree, p, u, _seen=proposed):
+            _seen.update(tree.tokens[1:])
+            return real(logits, tree, p, u)
 
         t0 = time.perf_counter()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(sampling_mod, "verify_sampled", spy)
+            mp.setattr(engine_mod, "verify_tree_sampled", spy)
             outs, stats = run_trials(engine, N_TRIALS, seed0=i * N_TRIALS)  # different seeds per draft
         out[name] = (outs, stats, time.perf_counter() - t0, proposed)
     return out
@@ -360,31 +359,41 @@ def test_speculative_sampling_follows_target_distribution(pair, runs, draft):
         assert stats.num_drafts > 1.8 * N_TRIALS  # nearly every trial needs a second round for x3
 
 
-def _always_accept(logits, drafts, p, gen):
+def _chain(sampler):
+    """A chain sampler (logits, drafts, params, u) -> (a, tokens) as the engine's tree sampler."""
+    def run(logits, tree, p, u):
+        a, new = sampler(logits, tree.tokens[1:], p, u)
+        return list(range(a + 1)), new
+    run.__name__ = sampler.__name__
+    return run
+
+
+def _always_accept(logits, drafts, p, u):
     """Broken: emits every draft token (plus a bonus sample) without the acceptance test."""
     from eagle3_runtime.sampling import sample, target_probs
 
-    return len(drafts), list(drafts) + [sample(target_probs(logits[len(drafts)], p), gen)]
+    return len(drafts), list(drafts) + [sample(target_probs(logits[len(drafts)], p), u(len(drafts)))]
 
 
-def _no_residual(logits, drafts, p, gen):
+def _no_residual(logits, drafts, p, u):
     """Broken: on rejection resamples from p instead of norm(max(p - q, 0)) (d gets too much mass)."""
     from eagle3_runtime.sampling import sample, target_probs
 
     probs = target_probs(logits, p)
-    u = torch.rand(len(drafts), generator=gen)
+    gen = torch.Generator().manual_seed(int(u(0) * 2 ** 53))  # independent draws for test and resample
+    us = torch.rand(len(drafts) + 1, generator=gen).tolist()
     for a, d in enumerate(drafts):
-        if u[a] >= probs[a, d]:
-            return a, list(drafts[:a]) + [sample(probs[a], gen)]
-    return len(drafts), list(drafts) + [sample(probs[-1], gen)]
+        if us[a] >= probs[a, d]:
+            return a, list(drafts[:a]) + [sample(probs[a], us[-1])]
+    return len(drafts), list(drafts) + [sample(probs[-1], us[-1])]
 
 
 @pytest.mark.parametrize("broken", [_always_accept, _no_residual], ids=["always_accept", "no_residual"])
 def test_broken_sampler_fails_the_check(pair, monkeypatch, broken):
     """Negative control: the same comparison must reject a sampler that is subtly or grossly wrong."""
-    import eagle3_runtime.sampling as sampling_mod
+    import eagle3_runtime.engine as engine_mod
 
-    monkeypatch.setattr(sampling_mod, "verify_sampled", broken)
+    monkeypatch.setattr(engine_mod, "verify_tree_sampled", _chain(broken))
     t0 = time.perf_counter()
     n = N_CONTROL[broken.__name__.strip("_")]
     outs, stats = run_trials(pair["engines"]["good"], n, seed0=100_000)

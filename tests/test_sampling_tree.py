@@ -9,7 +9,7 @@ import torch
 
 from eagle3_runtime.sampling import SamplingParams, sample, target_probs, verify_tree_sampled
 from eagle3_runtime.tree import Tree
-from test_sampling import _null_threshold, _passes, _report, _tv
+from test_sampling import _null_threshold, _passes, _report, _tv, draws
 
 V = 6
 TRIALS = 20000
@@ -62,7 +62,8 @@ def _tree_checks(sampler, logits, tree, params, seed=0, trials=TRIALS):
     gen = torch.Generator().manual_seed(seed)
     D = max(tree.depths) + 1
     pad = [-1] * (D + 1)
-    outs = torch.tensor([(sampler(logits, tree, params, gen)[1] + pad)[:D + 1] for _ in range(trials)])
+    u = draws(gen)
+    outs = torch.tensor([(sampler(logits, tree, params, u)[1] + pad)[:D + 1] for _ in range(trials)])
     null_gen = torch.Generator().manual_seed(seed + 1)
     results = []
     for u, path in enumerate(_paths(tree)):
@@ -112,15 +113,15 @@ def test_tree_sampling_with_filters():
 
 
 def test_chain_tree_is_the_chain_sampler():
-    """A tree that is a chain goes through verify_sampled: the same seed gives the same tokens."""
-    from eagle3_runtime.sampling import verify_sampled
+    """A chain is a tree: verify_sampled and verify_tree_sampled give the same tokens for the same uniforms."""
+    from eagle3_runtime.sampling import Uniforms, verify_sampled
 
     logits, params = _logits(4), SamplingParams(temperature=1.0)
     drafts = target_probs(logits, params)[:3].argmax(-1).tolist()
     tree = Tree([0] + drafts, [-1, 0, 1, 2], [0, 1, 2, 3])
     for seed in range(20):
-        a, new = verify_sampled(logits, drafts, params, torch.Generator().manual_seed(seed))
-        path, new2 = verify_tree_sampled(logits, tree, params, torch.Generator().manual_seed(seed))
+        a, new = verify_sampled(logits, drafts, params, Uniforms(seed).at(0))
+        path, new2 = verify_tree_sampled(logits, tree, params, Uniforms(seed).at(0))
         assert (path, new2) == (list(range(a + 1)), new)
 
 
@@ -135,7 +136,7 @@ FLAWS = {
 
 def _flawed(flaw: str):
     """verify_tree_sampled's walk with one flaw (FLAWS)."""
-    def sampler(logits, tree, params, gen):
+    def sampler(logits, tree, params, draw):
         probs = target_probs(logits, params)
         kids = tree.children()
         path = [0]
@@ -145,14 +146,15 @@ def _flawed(flaw: str):
             for c in kids[u][:1] if flaw == "first_child_only" else kids[u]:
                 x = tree.tokens[c]
                 q = probs[u, x] if flaw == "no_renormalise" else r[x] / r.sum()
-                if float(torch.rand(1, generator=gen)) < float(q):
+                if draw() < float(q):
                     path.append(c)
                     break
                 r[x] = 0.0
             else:
                 for c in kids[u]:
                     r[tree.tokens[c]] = 0.0
-                return path, [tree.tokens[i] for i in path[1:]] + [sample(probs[u] if flaw == "resample_from_p" else r, gen)]
+                return path, [tree.tokens[i] for i in path[1:]] + [sample(probs[u] if flaw == "resample_from_p" else r,
+                                                                          draw())]
     return sampler
 
 

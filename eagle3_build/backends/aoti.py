@@ -29,7 +29,7 @@ from eagle3_runtime.packing import BF16, BF16_FORMATS, BLOCKED_DTYPES, PACK_FORM
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
-from ..files import atomic_write
+from ..files import atomic_write, save_through_python
 from ..recipe import check_backend_options
 from . import gemm, lowerings
 from .lowerings import env, lean_wrapper, lean_wrapper_available, packed_input_lowering
@@ -205,8 +205,8 @@ class AotiBackend(PerGraphBackend):
                 patch["reorder_for_locality"] = False
             with env("TORCHINDUCTOR_CACHE_DIR", str(work)), self.codegen(), torch._inductor.config.patch(patch), \
                     packed_input_lowering(), lean_wrapper():
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(out),
-                                                         inductor_configs=self.inductor_configs)
+                save_through_python(lambda f: torch._inductor.aoti_compile_and_package(
+                    ep, package_path=f, inductor_configs=self.inductor_configs), out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         set_serialization_id(out, key)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from eagle3_runtime.manifest import GRAPH_FORMATS
 
+from ..files import save_through_python
 from ..recipe import check_backend_options
 from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
@@ -18,7 +19,7 @@ NAME = "export"
 
 def compile_exported(ep, out: Path, key: str, role: str) -> dict:
     ep.example_inputs = None  # would embed the (weight-sized) example inputs in the file
-    torch.export.save(ep, out)
+    save_through_python(lambda f: torch.export.save(ep, f), out)
     set_serialization_id(out, key)
     return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__}
 

@@ -30,7 +30,10 @@ the bundle being built (`check_place`).
 
 Entries are written in `tmp/` and renamed into place (atomic on one filesystem, so several builders
 can share one cache directory, e.g. NFS or a CI cache, and readers need no lock). A hit is
-re-hashed before use; a corrupt entry is dropped and recompiled. A build, `cache prune` and `cache
+re-hashed before use; a corrupt entry (its files, or an entry.json that is not one) is dropped and
+recompiled; `cache ls` lists it as corrupt and `cache prune` removes it. A build needs room on the cache's
+filesystem for what it compiles: where there is none (a full disk, a quota) it stops with one line
+naming the cache (`CacheError`) before the compiler writes there. A build, `cache prune` and `cache
 clear` remove only the `tmp/` directories of builders that were killed (see `stale`), never those of a
 build still running nor anything in `tmp/` this tool did not name.
 """
@@ -65,10 +68,22 @@ MARKER_TEXT = (f"{SIGNATURE}\n# This file is a cache directory tag created by ea
                "# For information about cache directory tags, see https://bford.info/cachedir/\n")
 _MARKER_TMP = re.compile(re.escape(f".{MARKER}.") + "[0-9a-f]{32}")  # atomic_write's temporary name
 USE_ANOTHER = "point EAGLE3_BUILD_CACHE or --cache-dir at an empty or new directory"
+MIN_FREE_BYTES = 64 << 20  # room a compile needs on the cache's filesystem, on top of the largest entry cached
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CacheError(UserError):
     """A compile cache directory this tool must not use, or cannot write; the message names the fix."""
+
+
+def disk_free(path: Path) -> int | None:
+    """Bytes free to this user on the filesystem of `path` (or of its nearest existing parent); None: unknown."""
+    there = nearest_existing(Path(path))
+    try:
+        st = os.statvfs(there if there is not None else ".")
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def default_cache_dir() -> Path:
@@ -202,11 +217,42 @@ def _intact(d: Path, meta: dict) -> bool:
     return True
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _number(v, kind=(int, float)) -> bool:
+    return isinstance(v, kind) and not isinstance(v, bool) and 0 <= v < float("inf")
+
+
+def meta_problem(meta) -> str | None:
+    """Why an entry.json's data is not an entry (None: it is one), as `put` writes it."""
+    if not isinstance(meta, dict):
+        return f"entry.json holds {type(meta).__name__ if meta is not None else 'null'}, not an object"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return "entry.json lists no files"
+    for name, f in files.items():
+        if not name or name in (".", "..", ENTRY) or "/" in name or "\\" in name or "\0" in name:
+            return f"entry.json lists the file name {name!r}"
+        if not (isinstance(f, dict) and isinstance(f.get("sha256"), str) and _SHA256.fullmatch(f["sha256"])
+                and _number(f.get("size"), int)):
+            return f"entry.json has no size and sha256 for {name!r}"
+    if not isinstance(meta.get("info", {}), dict):
+        return "entry.json's info is not an object"
+    for k in ("graph", "backend", "role"):
+        if not isinstance(meta.get(k, ""), str):
+            return f"entry.json's {k} is not a string"
+    if not _number(meta.get("compile_seconds", 0)) or not _number(meta.get("tokens", 0), int):
+        return "entry.json's compile_seconds or tokens is not a number"
+    return None
+
+
 @dataclass
 class Entry:
     key: str
     path: Path  # the entry directory
-    meta: dict
+    meta: dict  # ({} where `problem` says why entry.json is not an entry)
+    problem: str | None = None  # a corrupt entry: a miss, listed by `cache ls`, removed by `cache prune`
 
     @property
     def files(self) -> list[str]:
@@ -218,7 +264,12 @@ class Entry:
 
     @property
     def size(self) -> int:
-        return sum(int(f["size"]) for f in self.meta["files"].values())
+        if self.problem is None:
+            return sum(int(f["size"]) for f in self.meta["files"].values())
+        try:  # (what its directory holds)
+            return sum(p.lstat().st_size for p in self.path.iterdir())
+        except OSError:
+            return 0
 
 
 class CompileCache:
@@ -226,6 +277,7 @@ class CompileCache:
         self.root = Path(root) if root is not None else default_cache_dir()
         self._timings: list[tuple[str, str, float]] | None = None  # (backend, role, s / sqrt(tokens))
         self._open = False  # the root was checked and marked (`open`): once per cache object
+        self._largest: int | None = None  # bytes of the largest entry (what a compile may need again)
 
     # ---- the directory: which one may be a cache (see the module docstring)
     def check_place(self, keep: Iterable[tuple[str, Path]] = ()) -> None:
@@ -270,9 +322,10 @@ class CompileCache:
         raise CacheError(f"compile cache {self.root} is not empty and is not an eagle3-build cache (no {MARKER} "
                          f"written by eagle3-build); nothing there was touched: {USE_ANOTHER}")
 
-    def open(self, keep: Iterable[tuple[str, Path]] = ()) -> CompileCache:
+    def open(self, keep: Iterable[tuple[str, Path]] = (), *, removing: bool = False) -> CompileCache:
         """Make the root this tool's cache, ready to be written: created and marked when new or empty, refused
-        (CacheError) as `_state` says or when a real write fails there. Every write goes through it."""
+        (CacheError) as `_state` says or when a real write fails there. Every write goes through it. `removing`
+        (`cache prune`, `cache clear`): a full disk is no reason to refuse, freeing it is the fix."""
         if not self._open:
             self._state(keep)
             try:
@@ -281,7 +334,8 @@ class CompileCache:
                     atomic_write(self.root / MARKER, MARKER_TEXT)
                 self._new_staging().rmdir()  # a real write: permissions, a read-only mount, a full disk
             except OSError as e:
-                raise self._unwritable(e) from e
+                if not (removing and e.errno in FULL and self.is_marked()):
+                    raise self._unwritable(e) from e
             self._open = True
         return self
 
@@ -295,7 +349,24 @@ class CompileCache:
         return state == "cache"
 
     def _unwritable(self, e: OSError) -> CacheError:
+        if e.errno in FULL:
+            return self._full(f"{os.fsdecode(e.filename) + ': ' if e.filename else ''}{e.strerror or e} "
+                              f"({errno.errorcode.get(e.errno, e.errno)})")
         return CacheError(f"compile cache {self.root} cannot be written: {os_error_line(e)}")
+
+    def _full(self, detail: str) -> CacheError:
+        return CacheError(f"compile cache {self.root} is full ({detail}); free space on its filesystem (`eagle3-build "
+                          "cache prune --max-size GB` drops the least recently used graphs), or point "
+                          "EAGLE3_BUILD_CACHE or --cache-dir at a directory on a filesystem with room")
+
+    def check_room(self) -> None:
+        """Refuse (CacheError) to compile into a cache whose filesystem has no room for the result: the
+        compilers' writers fail on a full disk in ways that are not an OSError (torch aborts the process)."""
+        if self._largest is None:
+            self._largest = max((e.size for e in self.entries() if e.problem is None), default=0)
+        need, free = MIN_FREE_BYTES + self._largest, disk_free(self.root)
+        if free is not None and free < need:
+            raise self._full(f"{free / 1e6:.1f} MB free on its filesystem, a compile needs about {need / 1e6:.0f} MB")
 
     def _dir(self, key: str) -> Path:
         return self.root / "graphs" / key[:2] / key
@@ -304,10 +375,12 @@ class CompileCache:
     def get(self, key: str, *, check: bool = True) -> Entry | None:
         d = self._dir(key)
         try:
-            meta = json.loads((d / ENTRY).read_text())
+            meta = _read_json(d / ENTRY)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):
+            meta = None
+        if meta_problem(meta) is not None:  # unreadable, truncated, or not an entry: a miss, compiled again
             self._drop(d)
             return None
         try:
@@ -319,12 +392,18 @@ class CompileCache:
         return Entry(key, d, meta)
 
     def entries(self) -> list[Entry]:
+        """Every entry, a corrupt one (entry.json unreadable or not an entry) with its `problem`."""
         out = []
         for p in sorted((self.root / "graphs").glob("*/*/" + ENTRY)):
             try:
-                out.append(Entry(p.parent.name, p.parent, json.loads(p.read_text())))
-            except (OSError, json.JSONDecodeError):
+                meta = _read_json(p)
+            except FileNotFoundError:  # (removed meanwhile)
                 continue
+            except (OSError, ValueError) as e:
+                out.append(Entry(p.parent.name, p.parent, {}, f"entry.json is unreadable ({_why(e)})"))
+                continue
+            problem = meta_problem(meta)
+            out.append(Entry(p.parent.name, p.parent, {} if problem else meta, problem))
         return out
 
     def estimate(self, backend: str, role: str, tokens: int) -> float | None:
@@ -333,7 +412,8 @@ class CompileCache:
         if self._timings is None:  # read the entries once per cache object (one build), not per graph
             self._timings = []
             for e in self.entries():
-                self._note_timing(e.meta)
+                if e.problem is None:
+                    self._note_timing(e.meta)
         per_token = [t for b, r, t in self._timings if b == backend and r == role]
         if not per_token:
             return None
@@ -346,7 +426,12 @@ class CompileCache:
 
     # ---- write
     def staging_dir(self) -> Path:
-        return self.open()._new_staging()
+        """A new directory to compile into (CacheError where the cache's filesystem has no room)."""
+        self.open().check_room()
+        try:
+            return self._new_staging()
+        except OSError as e:
+            raise self._unwritable(e) from e
 
     def _new_staging(self) -> Path:
         d = self.root / "tmp" / f"{owner_tag()}-{uuid.uuid4().hex}"
@@ -371,7 +456,10 @@ class CompileCache:
         files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
                  for p in sorted(staged.iterdir()) if p.is_file()}
         meta = {**meta, "key": key, "files": files, "created": time.time()}
-        (staged / ENTRY).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        try:
+            (staged / ENTRY).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        except OSError as e:
+            raise self._unwritable(e) from e
         final = self._dir(key)
         try:
             for attempt in (0, 1):  # (a concurrent `cache clear` may remove graphs/<k[:2]>/ in between)
@@ -390,14 +478,18 @@ class CompileCache:
             return existing
         self.clear_failure(key)
         self._note_timing(meta)
+        if self._largest is not None:
+            self._largest = max(self._largest, sum(f["size"] for f in files.values()))
         return Entry(key, final, meta)
 
     # ---- trace memo
     def get_trace(self, trace_key: str) -> dict | None:
         try:
-            return json.loads((self.root / "traces" / f"{trace_key}.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            memo = _read_json(self.root / "traces" / f"{trace_key}.json")
+        except (OSError, ValueError):
             return None
+        ok = isinstance(memo, dict) and isinstance(memo.get("key"), str) and _SHA256.fullmatch(memo["key"])
+        return memo if ok else None  # (anything else: a miss, traced again and rewritten)
 
     def put_trace(self, trace_key: str, record: dict) -> None:
         self._write(self.root / "traces" / f"{trace_key}.json", json.dumps(record, sort_keys=True))
@@ -406,16 +498,20 @@ class CompileCache:
         """Write a memo or failure record in the cache (again, when a concurrent `cache clear` removed its
         directory in between)."""
         self.open()
-        for attempt in (0, 1):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                return atomic_write(path, text)
-            except FileNotFoundError:
-                if attempt:
-                    raise
+        try:
+            for attempt in (0, 1):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    return atomic_write(path, text)
+                except FileNotFoundError:
+                    if attempt:
+                        raise
+        except OSError as e:  # (a full disk: the cache named, with the fix)
+            raise self._unwritable(e) from e
 
     # ---- failures (recorded with their log; never used to skip a compile)
     def record_failure(self, key: str, meta: dict, log: str) -> Path:
+        self.check_room()  # (a compile that failed where the cache has no room failed for that: the cache named)
         log_path = self.root / "failures" / f"{key}.log"
         self._write(log_path, log)
         self._write(log_path.with_suffix(".json"), json.dumps({**meta, "key": key, "time": time.time()}, indent=2))
@@ -423,9 +519,19 @@ class CompileCache:
 
     def failure(self, key: str) -> dict | None:
         try:
-            return json.loads((self.root / "failures" / f"{key}.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            record = _read_json(self.root / "failures" / f"{key}.json")
+        except (OSError, ValueError):
             return None
+        return record if isinstance(record, dict) else None
+
+    def failures(self) -> list[dict]:
+        """The failure records (each with its "key" and "log" path); records that are not one are left out."""
+        out = []
+        for p in sorted((self.root / "failures").glob("*.json")) if (self.root / "failures").is_dir() else []:
+            record = self.failure(p.stem)
+            if record is not None:
+                out.append({**record, "key": p.stem, "log": str(p.with_suffix(".log"))})
+        return out
 
     def clear_failure(self, key: str) -> None:
         for suffix in (".json", ".log"):
@@ -434,10 +540,12 @@ class CompileCache:
     # ---- maintenance
     def _drop(self, d: Path) -> None:
         trash = self.open().root / "tmp" / f"drop-{owner_tag()}-{uuid.uuid4().hex}"
-        trash.parent.mkdir(parents=True, exist_ok=True)
         try:
+            trash.parent.mkdir(parents=True, exist_ok=True)
             os.rename(d, trash)
-        except OSError:
+        except OSError as e:
+            if e.errno in FULL:  # (no room for the rename on a full disk: removed where it is)
+                shutil.rmtree(d, ignore_errors=True)
             return
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -447,9 +555,12 @@ class CompileCache:
         self._timings = None
         if not self.existing():
             return []
-        self.open()
+        self.open(removing=True)
         entries = sorted(self.entries(), key=lambda e: self.last_used(e))
-        removed = []
+        removed = [e for e in entries if e.problem is not None]  # corrupt: never a hit, always removed
+        for e in removed:
+            self._drop(e.path)
+            entries.remove(e)
         now = time.time()
         if older_than_days is not None:
             for e in list(entries):
@@ -488,7 +599,7 @@ class CompileCache:
         self._timings = None
         if not self.existing():
             return 0
-        self.open()
+        self.open(removing=True)
         n = len(self.entries())
         for sub in CONTENT:
             shutil.rmtree(self.root / sub, ignore_errors=True)
@@ -498,6 +609,18 @@ class CompileCache:
         except OSError:
             pass
         return n
+
+
+def _read_json(path: Path):
+    """The JSON in `path` (ValueError: not JSON, or nested too deep to read)."""
+    try:
+        return json.loads(path.read_bytes())
+    except RecursionError as e:
+        raise ValueError("nested too deep") from e
+
+
+def _why(e: Exception) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
 
 
 FETCH_TRIES = 3  # a cache entry removed (`cache prune`, `cache clear`) before its copy is fetched again

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..files import save_through_python
+from ..host import available_memory_gb, host_cores
 from .cache import CompileCache, Entry
 
 INJECT_ENV = "EAGLE3_BUILD_INJECT_FAILURE"
@@ -97,24 +99,6 @@ def default_jobs(backend, tasks: int | None = None) -> int:
     by_memory = int(available_memory_gb() // backend.JOB_MEMORY_GB)
     n = max(1, min(cores, by_memory, backend.MAX_JOBS or cores))
     return min(n, tasks) if tasks else n
-
-
-def host_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def available_memory_gb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 4.0
 
 
 def injected(name: str) -> str | None:
@@ -332,7 +316,7 @@ class _Task:
             ep = job.ep
             saved, ep.example_inputs = ep.example_inputs, None  # never serialise weight-sized examples
             try:
-                torch.export.save(ep, d / "input.pt2")
+                save_through_python(lambda f: torch.export.save(ep, f), d / "input.pt2")
             finally:
                 ep.example_inputs = saved
             inject = injected(job.name)

@@ -16,11 +16,12 @@ from pydantic import ValidationError
 from eagle3_runtime.manifest import min_max_model_len
 
 from .schema import (PairRecipe, Recipe, RecipeError, RecipeIssue, SourceSpec, Speculation, Serving,
-    Parallel, Buckets, VerifySettings, VERIFY_DEFAULTS, RawPair, describe_value, fmt_key, pydantic_message)
+    Parallel, Buckets, VerifySettings, VERIFY_DEFAULTS, RawPair, KeyLines, MAX_COUNT, MAX_PROMPTS, describe_value,
+    fmt_key, issue_at, pydantic_message)
 from .yaml_io import (MAX_PAIRS, deep_merge, line_map, line_of, origin_of, parse_yaml, read_capped,
     MAX_RECIPE_BYTES, MAX_YAML_NODES)
 from .checks import (NAME_RE, build_pair, check_pair_backend_options, check_buckets, check_speculation,
-    resolve_source, check_backend_options)
+    resolve_source, check_backend_options, check_target_limits, target_positions)
 
 __all__ = [
     "RecipeIssue",
@@ -35,11 +36,16 @@ __all__ = [
     "PairRecipe",
     "Recipe",
     "check_backend_options",
+    "check_target_limits",
+    "issue_at",
     "load_recipe",
+    "MAX_COUNT",
+    "MAX_PROMPTS",
     "MAX_RECIPE_BYTES",
     "MAX_YAML_NODES",
     "min_max_model_len",
     "select_pair",
+    "target_positions",
 ]
 
 
@@ -136,6 +142,11 @@ def _load_pair(i: int, item, defaults: dict, lines, file: str, base_dir: Path,
                 message += " (from defaults)"
         issues.append(RecipeIssue(file, line_of(lines, origin), fmt_key(pair_abs + rel), message))
 
+    def where(rel: tuple) -> RecipeIssue:  # (for problems found after loading: schema.issue_at)
+        origin = origin_of(defaults, item, pair_abs, rel)
+        return RecipeIssue(file, line_of(lines, origin), fmt_key(pair_abs + rel),
+                           " (from defaults)" if origin[0] == "defaults" else "")
+
     raw: RawPair | None = None
     try:
         raw = RawPair.model_validate(merged)
@@ -166,8 +177,14 @@ def _load_pair(i: int, item, defaults: dict, lines, file: str, base_dir: Path,
     check_buckets(merged, add, check_speculation(merged, add))
     check_pair_backend_options(merged, add)
     if raw is not None and len(issues) == n_before and all(sources.get(r) for r in ("target", "draft")):
-        return build_pair(raw, sources["target"], sources["draft"])
+        pair = build_pair(raw, sources["target"], sources["draft"])
+        pair._lines = KeyLines({rel: where(rel) for rel in LATER_CHECKED})
+        return pair
     return None
+
+
+# the keys checked after loading, against the target's config and this host (schema.issue_at)
+LATER_CHECKED = (("serving", "max_model_len"), ("serving", "max_num_seqs"), ("parallel", "tp_degree"))
 
 
 def load_recipe(path: str | Path) -> Recipe:

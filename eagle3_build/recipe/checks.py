@@ -16,7 +16,7 @@ from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_MENU, MAX_NODES, N
 from ..buckets import default_batch_buckets
 from ..errors import UserError
 from .schema import (PairRecipe, RawPair, RawSource, RawSpecSection, RawSpeculation, SourceSpec, Speculation,
-                     describe_value, get_path, is_int, pos_int, pydantic_message)
+                     describe_value, get_path, is_int, issue_at, pos_int, pydantic_message)
 
 # the backend_options each backend understands (checked here with the recipe line, and by get_backend)
 BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs", "pack_weights", "draft_bfloat16", "cpu_isa"),
@@ -391,6 +391,36 @@ def unknown_option_message(name: str, key) -> str | None:
         return None
     takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
     return f"unknown option {key!r} for backend {name} ({takes})"
+
+
+# ----------------------------------------------------------------------- against the target's config
+
+
+def target_positions(config: dict) -> tuple[int, str] | None:
+    """The most positions the target supports and where that comes from: its config's max_position_embeddings,
+    times the rope_scaling factor of a scaling that extends it at run time (yarn: of its original length,
+    linear, dynamic; as vLLM reads it); None where the config gives none."""
+    mpe = config.get("max_position_embeddings")
+    if not is_int(mpe) or mpe < 1:
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if kind in ("yarn", "linear", "dynamic") and isinstance(factor, (int, float)) and 1 <= factor <= 1024:
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        base = base if is_int(base) and base >= 1 else mpe
+        return max(mpe, int(base * factor)), f"max_position_embeddings with its {kind} rope_scaling (factor {factor:g})"
+    return mpe, "max_position_embeddings"
+
+
+def check_target_limits(pair: PairRecipe, config: dict) -> None:
+    """serving.max_model_len within the positions the target supports (RecipeError at its line)."""
+    limit = target_positions(config)
+    mml = pair.serving.max_model_len
+    if limit is not None and mml > limit[0]:
+        raise issue_at(pair, ("serving", "max_model_len"),
+                       f"{mml} is more than the target supports: {limit[0]} positions ({limit[1]} in its "
+                       f"config.json); lower it to at most {limit[0]}")
 
 
 def check_backend_options(name: str, options: dict | None) -> None:

@@ -10,9 +10,9 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from eagle3_runtime.manifest import BACKENDS, MAX_NODES, MODEL_DTYPES, SpecShape, all_shapes
+from eagle3_runtime.manifest import BACKENDS, MAX_DIM, MAX_NODES, MODEL_DTYPES, SpecShape, all_shapes
 
 from ..buckets import default_batch_buckets, default_prefill_buckets
 from ..errors import UserError
@@ -33,6 +33,16 @@ class RecipeIssue:
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}"
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+class KeyLines(dict):
+    """Where a loaded pair's keys are in its recipe: {key path: RecipeIssue holding the message's suffix}, for
+    problems found after loading (`issue_at`). Not part of the pair's value: any two compare equal."""
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KeyLines)
+
+    __hash__ = None
 
 
 class RecipeError(UserError):
@@ -85,24 +95,29 @@ class _Section(_Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+MAX_COUNT = 1 << 24  # sequences, positions, ranks: the most a bundle's manifest records (manifest.Count)
+MAX_BUCKETS = 64  # entries of a bucket list (the manifest's cap)
+MAX_PROMPTS = 100_000  # verify.num_prompts
+
+
 class Serving(_Section):
-    max_num_seqs: int = Field(1, ge=1)
-    max_model_len: int = Field(ge=1)
-    max_num_batched_tokens: int = Field(ge=1)  # default: max_model_len (RawPair fills it in)
+    max_num_seqs: int = Field(1, ge=1, le=MAX_COUNT)
+    max_model_len: int = Field(ge=1, le=MAX_COUNT)
+    max_num_batched_tokens: int = Field(ge=1, le=MAX_COUNT)  # default: max_model_len (RawPair fills it in)
 
 
 class Parallel(_Section):
-    tp_degree: int = Field(1, ge=1)
-    padded_hidden_size: int | None = Field(None, ge=1)
+    tp_degree: int = Field(1, ge=1, le=MAX_COUNT)
+    padded_hidden_size: int | None = Field(None, ge=1, le=MAX_DIM)
 
 
 class Buckets(_Section):
     # defaults (buckets.py, filled in by RawPair): doublings up to the serving limits
-    prefill: list[int]
-    batch: list[int]
+    prefill: list[int] = Field(max_length=MAX_BUCKETS)
+    batch: list[int] = Field(max_length=MAX_BUCKETS)
     # KV slots the decode loop's target graphs also read only (NxDI's token-generation buckets): per entry c,
     # target_decode and target_verify graphs over slots 0..c-1, called while a batch's rows fit in c
-    context: list[int] = []
+    context: list[int] = Field([], max_length=MAX_BUCKETS)
 
 
 class VerifySettings(_Section):
@@ -110,8 +125,8 @@ class VerifySettings(_Section):
     manifest whose recipe lacks a key) takes them from here too."""
 
     min_acceptance_length: float | None = Field(None, ge=1)  # the gate; None: no gate
-    num_prompts: int = Field(4, ge=0)  # 0: compile skips verify
-    max_tokens: int = Field(32, ge=1)  # per prompt
+    num_prompts: int = Field(4, ge=0, le=MAX_PROMPTS)  # 0: compile skips verify
+    max_tokens: int = Field(32, ge=1, le=MAX_COUNT)  # per prompt
     chat: bool = False  # wrap each prompt as one user message in the target's chat template
 
 
@@ -130,6 +145,7 @@ class PairRecipe(_Frozen):
     backend: Literal[BACKENDS]  # type: ignore[valid-type]
     backend_options: dict[str, Any]
     verify: VerifySettings
+    _lines: KeyLines = PrivateAttr(default_factory=KeyLines)  # (set by the loader; `issue_at` reads it)
 
 
 class Recipe(_Frozen):
@@ -200,19 +216,28 @@ class RawPair(Raw):
             return data
         serving = dict(data["serving"])
         if serving.get("max_num_batched_tokens") is None:
-            serving["max_num_batched_tokens"] = pos_int(serving.get("max_model_len")) or 1
+            serving["max_num_batched_tokens"] = count(serving.get("max_model_len")) or 1
         buckets = data.get("buckets", {})
         if not isinstance(buckets, dict):
             return {**data, "serving": serving}
         buckets = dict(buckets)
         if buckets.get("prefill") is None:
-            buckets["prefill"] = default_prefill_buckets(pos_int(serving["max_num_batched_tokens"]) or 1)
+            buckets["prefill"] = default_prefill_buckets(count(serving["max_num_batched_tokens"]) or 1)
         if buckets.get("batch") is None:
-            buckets["batch"] = default_batch_buckets(pos_int(serving.get("max_num_seqs", 1)) or 1)
+            buckets["batch"] = default_batch_buckets(count(serving.get("max_num_seqs", 1)) or 1)
         return {**data, "serving": serving, "buckets": buckets}
 
 
 # -------------------------------------------------------------------------------- helpers
+
+
+def issue_at(pair: PairRecipe, rel: tuple, message: str) -> RecipeError:
+    """A problem found after loading (against the target's config, this host's memory), reported like the loader's
+    own: at the key's line in the recipe (`file:line: pairs[i].serving.max_model_len: message`)."""
+    at = pair._lines.get(rel)
+    if at is None:  # (a pair not read from a recipe file)
+        return RecipeError([RecipeIssue(f"pair {pair.name}", None, fmt_key(rel), message)])
+    return RecipeError([RecipeIssue(at.file, at.line, at.key, message + at.message)])
 
 
 def fmt_key(path: tuple) -> str:
@@ -232,6 +257,8 @@ def describe_value(value: Any) -> str:
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
     if isinstance(value, int):
+        if abs(value) >= 10**20:  # (no int->str of thousands of digits)
+            return f"integer {'-' if value < 0 else ''}of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
         return f"integer {value}"
     if isinstance(value, float):
         return f"float {value!r}"
@@ -250,6 +277,11 @@ def is_int(v: Any) -> bool:
 
 def pos_int(v: Any) -> int | None:
     return v if is_int(v) and v >= 1 else None
+
+
+def count(v: Any) -> int | None:
+    """A valid count of sequences, positions or ranks (1..MAX_COUNT), else None."""
+    return v if is_int(v) and 1 <= v <= MAX_COUNT else None
 
 
 def get_path(d: Any, *keys: str) -> Any:
@@ -325,6 +357,8 @@ def pydantic_message(err: dict, model: type[BaseModel]) -> str:
         return f"must be >= {ctx.get('ge')}, got {describe_value(inp)}"
     if typ == "less_than_equal":
         return f"must be <= {ctx.get('le')}, got {describe_value(inp)}"
+    if typ == "too_long":
+        return f"must have at most {ctx.get('max_length')} entries, got {ctx.get('actual_length')}"
     if typ == "greater_than":
         return f"must be > {ctx.get('gt')}, got {describe_value(inp)}"
     return f"{err['msg']}, got {describe_value(inp)}"

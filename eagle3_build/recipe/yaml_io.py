@@ -2,6 +2,7 @@
 found, every key path mapped to its 1-based line (a default merged into a pair keeps its origin)."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ MAX_RECIPE_BYTES = 1 << 20  # refused before parsing
 MAX_YAML_NODES = 100_000  # counted with every alias expanded (billion laughs)
 MAX_YAML_DEPTH = 64
 MAX_PAIRS = 100  # defaults are merged into every pair: this bounds that work too
+MAX_INT = 2**63 - 1  # a recipe's numbers are far smaller; past this an int is refused where it is written
 
 # ------------------------------------------------------------------------------- YAML positions
 
@@ -173,6 +175,52 @@ def origin_of(defaults: dict, pair: dict, pair_abs: tuple, rel: tuple) -> tuple:
     return pcur
 
 
+def _number_issues(loader: yaml.SafeLoader, root: yaml.Node, file: str) -> list[RecipeIssue]:
+    """Every number that cannot be read (an int of more digits than Python converts, a date that is none) or
+    is too large to mean anything (an int past MAX_INT, a float that overflows to infinity), at its key and
+    line: found before the document is constructed, which would stop at the first with no place to name."""
+    issues: list[RecipeIssue] = []
+    seen: set[int] = set()
+
+    def check(node: yaml.ScalarNode, path: tuple) -> None:
+        kind = node.tag.rsplit(":", 1)[-1]
+        if kind not in ("int", "float", "timestamp"):
+            return
+        text = node.value.strip()
+        shown = text if len(text) <= 24 else f"{text[:12]}… ({len(text)} characters)"
+        try:
+            value = getattr(loader, f"construct_yaml_{kind}")(node)
+        except (ValueError, OverflowError) as e:
+            why = ("is too long to read as a number; give a number of at most "
+                   f"{len(str(MAX_INT))} digits") if kind == "int" else f"is not a valid {kind} ({e})"
+            issues.append(RecipeIssue(file, node.start_mark.line + 1, fmt_key(path), f"{shown} {why}"))
+            return
+        if kind == "int" and abs(value) > MAX_INT:
+            why = f"is too large (more than {MAX_INT}); a recipe's sizes are far smaller"
+        elif kind == "float" and math.isinf(value) and "inf" not in text.lower():
+            why = "is too large a number (it overflows to infinity); a recipe's numbers are far smaller"
+        else:
+            return
+        issues.append(RecipeIssue(file, node.start_mark.line + 1, fmt_key(path), f"{shown} {why}"))
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            check(node, path)
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                walk(k, path)
+                walk(v, path + (k.value if isinstance(k, yaml.ScalarNode) else "<key>",))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    walk(root, ())
+    return issues
+
+
 # ----------------------------------------------------------------------------------- loading
 
 
@@ -184,6 +232,9 @@ def parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None, list[Recipe
             return None, None, []
         _check_expansion(node)  # before anything walks or constructs the aliased graph
         dups = _duplicate_keys(node)
+        numbers = _number_issues(loader, node, file)
+        if numbers:
+            raise RecipeError(numbers)
         data = loader.construct_document(node)  # resolves merge keys (<<) in the node tree too
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark

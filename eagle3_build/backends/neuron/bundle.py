@@ -13,9 +13,10 @@ from pathlib import Path
 from eagle3_runtime.manifest import GraphEntry, TensorSpec, dtype_name, file_entry, torch_dtype
 
 from ...compile.cache import FETCH_TRIES, CompileCache, trace_key, vanishing
-from ...compile.scheduler import CompileFailed, GraphJob, GraphResult, available_memory_gb, host_cores
+from ...compile.scheduler import CompileFailed, GraphJob, GraphResult
 from ...errors import UserError
 from ...graphs import step_inputs
+from ...host import available_memory_gb, host_cores
 from ...models.weights import weight_tensors
 from ...pair import BuildModels, Report, contract_outputs, graph_plan, jsonable, model_entry
 from ...sharding import tensor_plan, write_rank_files

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ...compile.scheduler import host_cores
+from ...host import host_cores
 from ...errors import UserError
 
 BASELINE_GB = 3.0  # the build process itself: python, torch, torch-xla, the SDK's modules, checkpoints' headers
