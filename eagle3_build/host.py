@@ -4,13 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
-def host_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+from eagle3_runtime.host import available_cores as host_cores  # noqa: F401 (the runtime's one definition)
 
 
 def available_memory_bytes() -> int | None:

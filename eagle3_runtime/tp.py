@@ -22,6 +22,7 @@ from .backends import backend_class
 from .backends.base import DTYPES, GraphRunner, TPContext
 from .bundle import Bundle
 from .errors import Eagle3Error, whole_number
+from .host import available_cores
 from .reader import read_manifest
 from .tokenizer import load_text
 
@@ -30,14 +31,6 @@ COPY_ROW = -2
 COMPACT = -3  # header [COMPACT, row, n], then int64 [2, n]: source and destination slots
 
 THREADS_ENV = "EAGLE3_NUM_THREADS"
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no sched_getaffinity (macOS, Windows)
-        return os.cpu_count() or 1
 
 
 def default_threads() -> int:
