@@ -59,7 +59,8 @@ def start(bundle: str, args: list[str], log: Path) -> tuple[subprocess.Popen, st
             pass
         time.sleep(0.5)
     p.kill()
-    sys.exit(f"the server did not start; its log: {log}")
+    print(f"error: the server did not start; its log: {log}", file=sys.stderr)
+    sys.exit(2)
 
 
 def ask(url: str, prompt: str, seed: int, a: argparse.Namespace) -> list[int]:
