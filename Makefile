@@ -28,15 +28,18 @@ setup: $(BIN)/.installed
 # (the SPMD stand-in tests run there only: the stack Neuron users have) in its own venv, as a third process
 # that fills the cores the two suite workers leave idle; its log is printed after the suite's.
 # The runtime alone is installed in the background too, for tests/test_runtime_install.py, by the bare
-# interpreter from the start (python3 tests/runtime_venv.py DIR): beside .venv's own install, which takes one core.
+# interpreter from the start (python3 tests/runtime_venv.py DIR): beside .venv's own install, which takes one core;
+# and once more on the Neuron SDK's torch (2.9, PyPI's build: ~3 GB, mostly download) after it.
 RT_VENV := .venv-runtime-only
+RT29_VENV := .venv-runtime-torch29
 
 test:
-	@rm -rf $(RT_VENV); $(PY) tests/runtime_venv.py $(RT_VENV) & bg=$$!; \
+	@rm -rf $(RT_VENV) $(RT29_VENV); { $(PY) tests/runtime_venv.py $(RT_VENV); \
+	  $(PY) tests/runtime_venv.py $(RT29_VENV) --torch 2.9.0; } & bg=$$!; \
 	$(MAKE) --no-print-directory setup || { wait $$bg; exit 1; }; \
 	{ $(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 && \
 	  $(NS_BIN)/python -m pytest -q -p no:cacheprovider $(NEURON_STACK_TESTS) >> $(NS_VENV).log 2>&1; } & ns=$$!; \
-	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40 \
+	EAGLE3_RUNTIME_VENV=$(CURDIR)/$(RT_VENV) EAGLE3_RUNTIME_TORCH29_VENV=$(CURDIR)/$(RT29_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40 \
 		--ignore tests/test_neuron_spmd.py; rc=$$?; \
 	wait $$bg; wait $$ns; nsrc=$$?; \
 	echo "== make test-neuron-stack (its venv's install and tests, run beside the suite) =="; cat $(NS_VENV).log; \
@@ -56,7 +59,7 @@ demo: setup
 	$(BIN)/eagle3-build compile recipes/smollm2-135m-eagle3.yaml
 	$(BIN)/eagle3-build inspect $(DEMO)
 	$(BIN)/eagle3-run $(DEMO) --chat --max-tokens 128 --prompt "Explain photosynthesis to a ten-year-old."
-	$(BIN)/python benchmarks/demo_speed.py $(DEMO) --save-result artifacts/demo-speed.json
+	$(BIN)/python -m benchmarks demo $(DEMO) --save-result artifacts/demo-speed.json
 
 # a random tiny target + draft: the whole pipeline in about a minute
 demo-tiny: setup
@@ -97,4 +100,4 @@ neuron-hlo: $(XLA_BIN)/.installed
 	PJRT_DEVICE=CPU $(XLA_BIN)/python tools/neuron_hlo.py
 
 clean:
-	rm -rf $(VENV) $(RT_VENV) artifacts/*/ .pytest_cache
+	rm -rf $(VENV) $(RT_VENV) $(RT29_VENV) artifacts/*/ .pytest_cache

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import KV_DIMS, MANIFEST, SCHEMA_VERSION, Manifest, file_entry
+from eagle3_runtime.graph_contract import KV_DIMS
+from eagle3_runtime.manifest import MANIFEST, SCHEMA_VERSION, Manifest, file_entry
 
 from . import __version__
 from .backends.base import Written
 from .backends.registry import get_backend
-from .checkpoints.tokenizer import export_tokenizer
+from .checkpoints.tokenizer_export import export_tokenizer
 from .compile.cache import CompileCache
 from .compile.scheduler import GraphResult
 from .output import check_out, clean_leftovers, replace_staged

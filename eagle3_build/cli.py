@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from eagle3_runtime.errors import DEBUG_ENV, enable_debug, print_cause
-from eagle3_runtime.manifest import BACKENDS
+from eagle3_runtime.backends.facts import BACKENDS
 
 from .errors import UserError
 from .files import os_error_line
@@ -115,7 +115,7 @@ def compile_cmd(
                                      "verify settings); a failure exits 1"),
 ):
     """Build every pair of RECIPE into a bundle (graphs through the compile cache)."""
-    from .backends.base import preflight
+    from .backends.registry import preflight
 
     _in_range("--jobs", jobs, 1, MAX_JOBS, "a number of parallel compile jobs")
     pairs = _with_backend(_pairs(recipe, pair), backend)
@@ -435,7 +435,7 @@ def plan_cmd(
 def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                 as_json: bool = typer.Option(False, "--json")):
     """Summarise a bundle's manifest."""
-    from eagle3_runtime.backends import backend_class
+    from eagle3_runtime.backends.registry import backend_class
     from eagle3_runtime.bundle import BundleError
     from eagle3_runtime.reader import read_manifest
 
@@ -467,19 +467,8 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         ins = " ".join(f"{i.name}{i.shape}" for i in g.inputs)
         t.add_row(g.name, g.role, str(g.bucket), ins, f"{g.file.size / 1e3:.0f} kB", g.file.sha256[:12])
     out_console.print(t)
-    from eagle3_runtime.packing import ELEMENT_BYTES, copy_key, describe_choice  # (torch: not at the CLI's import)
-
-    copies = {copy_key(p): p for g in m.graphs for p in g.packed}
-    if copies:  # made by the runtime at load (eagle3_runtime.packing): memory on top of the weights
-        mb = sum(math.prod(m.models[w.split("/")[0]].tensors[w.split("/", 1)[1]].shape) * ELEMENT_BYTES[p.format]
-                 for p in copies.values() for w in (p.weight, *p.fused)) / 1e6
-        rows = sorted({p.rows for g in m.graphs for p in g.packed})
-        out_console.print(f"packed at load: {len(copies)} weight copies "
-                          f"({', '.join(sorted({p.format for p in copies.values()}))}) for token rows {rows}, "
-                          f"~{mb:.0f} MB per rank", highlight=False)
-    gemm = describe_choice(m.build.get("gemm"))
-    if gemm:
-        out_console.print(gemm, highlight=False)
+    for line in backend_class(m.backend).describe_bundle(m):  # (what the backend adds: its packed copies)
+        out_console.print(line, highlight=False)
     for shape, rec in (m.build.get("acceptance") or {}).items():
         if isinstance(rec, dict) and isinstance(rec.get("reach"), list):
             reach = " / ".join(f"{x:.2f}" for x in rec["reach"] if isinstance(x, (int, float)))
@@ -617,7 +606,8 @@ def make_tiny_pair_cmd(
     arch: str = typer.Option("llama", "--arch", help="llama | gpt-oss (a scaled-down twin of the GPT-OSS-120B seed)"),
 ):
     """Write a random tiny target (Llama or GPT-OSS), a tiny EAGLE3 draft and a recipe for them."""
-    from eagle3_runtime.manifest import MAX_DEPTH, min_max_model_len
+    from eagle3_runtime.graph_contract import min_max_model_len
+    from eagle3_runtime.speculation import MAX_DEPTH
 
     from .testing.tiny import ARCHS, DRAFT_FORMATS, GPT_OSS_TARGET_FORMATS, MAX_POS, TARGET_FORMATS, make_tiny_pair
 
@@ -692,7 +682,7 @@ def verify_cmd(
     Speculative greedy output == the target's transformers greedy output on N prompts; the acceptance
     block (a server's: its Prometheus spec-decode counters); the gate, and the likely cause when it fails.
     Exit 0 passed, 1 failed, 2 bad input."""
-    from eagle3_runtime.manifest import MAX_DEPTH
+    from eagle3_runtime.speculation import MAX_DEPTH
     from eagle3_runtime.tp import set_threads
 
     from .verify import render_report, verify_bundle

@@ -13,3 +13,7 @@ class CheckpointError(UserError):
 
 class PairError(UserError):
     pass
+
+
+class VerifyError(UserError):
+    """Bad input to verify (bundle, prompts, target source)."""

@@ -1,7 +1,7 @@
 """Graph planning and the per-role graph modules.
 
 The contract of every role (inputs, outputs, bucket kind, tokens per call, the call convention) is
-`eagle3_runtime.manifest.ROLES`; this module implements it. The role modules take
+`eagle3_runtime.graph_contract.ROLES`; this module implements it. The role modules take
 (cache: KVCache, rank, *inputs), so the Neuron backend drives them with its device state and per-rank
 weight instead (backends/neuron/model.py); `BoundGraph` is what the portable backends trace: weights as a
 tuple input, bound by functional_call.
@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eagle3_runtime.manifest import ROLES, Role, SpecShape, dtype_name, graph_shape, plan_roles, torch_dtype
+from eagle3_runtime.graph_contract import ROLES, Role, graph_shape, plan_roles
+from eagle3_runtime.manifest import dtype_name, torch_dtype
+from eagle3_runtime.speculation import SpecShape
 
 from .models.eagle3 import Eagle3Draft
-from .models.linear import packed_weights
+from .models.linear import UNPACKED, LinearMethod, using
 from .models.llama import Llama
 from .models.weights import weight_tensors
 
@@ -25,7 +27,7 @@ from .models.weights import weight_tensors
 class GraphSpec:
     role: str
     bucket: int
-    shape: SpecShape  # the speculation shape it is built for (manifest.graph_shape)
+    shape: SpecShape  # the speculation shape it is built for (graph_contract.graph_shape)
     variant: SpecShape | None = None  # the menu shape a per-shape role's graph serves (GraphEntry.shape)
     context: int | None = None  # the KV slots a per-context role's graph reads (GraphEntry.context; None: all)
 
@@ -48,7 +50,7 @@ class GraphSpec:
 def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape],
                 menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = ()
                 ) -> list[GraphSpec]:
-    """Every graph a bundle needs (manifest.plan_roles)."""
+    """Every graph a bundle needs (graph_contract.plan_roles)."""
     return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v, c)
             for r, b, v, c in plan_roles(prefill_buckets, speculation, menu, contexts)]
 
@@ -156,40 +158,26 @@ ROLE_MODULES = {"target_prefill": TargetPrefill, "target_verify": TargetVerify, 
 def step_inputs(spec: GraphSpec, *, target_hidden: int, draft_hidden: int, dtype: torch.dtype,
                 index_dtype: torch.dtype = torch.int64) -> list[tuple[str, list[int], torch.dtype]]:
     """(name, shape, dtype) of a graph's inputs after weights and kv, in call order, the rank first
-    (manifest.ROLES; `index_dtype` for token / position / index inputs)."""
+    (graph_contract.ROLES; `index_dtype` for token / position / index inputs)."""
     ins = spec.contract.input_specs(spec.bucket, spec.shape, target_hidden=target_hidden, draft_hidden=draft_hidden,
                                     dtype=dtype_name(dtype), index_dtype=dtype_name(index_dtype))
     return [(n, shape, torch_dtype(x)) for n, shape, x in ins]
 
 
 class BoundGraph(nn.Module):
-    """What gets traced: weights arrive as a tuple input and are bound by functional_call; after them
-    come the packed copies listed in `packed` as ((weight index, ...), rows, format): one copy of those
-    weights, concatenated along the output dim where there are several (models.linear)."""
+    """What gets traced: weights arrive as a tuple input and are bound by functional_call; the projections go
+    through `method` (models.linear.LinearMethod), which gets the weights tuple's entries after the weights."""
 
     def __init__(self, role_module: nn.Module, weight_names: list[str]):
         super().__init__()
         self.role_module = role_module
         self.weight_names = ["m." + n for n in weight_names]
-        self.packed: list[tuple[tuple[int, ...], int, str]] = []
-        self.gemm_threads = 1  # what the blocked format's GEMMs are generated for (models.linear)
-        # a list: the next call records what packing would serve, ((weight index, ...), rows)
-        self.packable: list[tuple[tuple[int, ...], int]] | None = None
+        self.method: LinearMethod = UNPACKED
 
     def forward(self, weights: tuple, kv: torch.Tensor, *inputs):
         n = len(self.weight_names)
         bound = dict(zip(self.weight_names, weights[:n]))
-        if self.packable is not None:
-            with packed_weights([]) as seen:
-                out = torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
-            index = {id(w): i for i, w in enumerate(weights[:n])}
-            self.packable[:] = sorted({(tuple(index[id(w)] for w in ws), rows) for ws, rows in seen
-                                       if all(id(w) in index for w in ws)})
-            return out
-        table: dict[tuple[int, ...], dict[int, tuple[str, torch.Tensor]]] = {}
-        for (idx, rows, fmt), p in zip(self.packed, weights[n:]):
-            table.setdefault(tuple(id(weights[i]) for i in idx), {})[rows] = (fmt, p)
-        with packed_weights(table, self.gemm_threads):
+        with using(self.role_module, self.method), self.method.bind(tuple(weights[n:])):
             return torch.func.functional_call(self.role_module, bound, (kv, *inputs), strict=False)
 
 

@@ -12,10 +12,11 @@ from typing import Callable
 
 import torch
 
-from eagle3_runtime.manifest import ModelEntry, TensorSpec, dtype_name, file_entry, kv_cache_length, kv_state_name, torch_dtype
+from eagle3_runtime.graph_contract import kv_cache_length, kv_state_name
+from eagle3_runtime.manifest import ModelEntry, TensorSpec, dtype_name, file_entry, torch_dtype
 
 from .checkpoints.load import DraftCheckpoint, TargetCheckpoint, load_draft, load_target
-from .checkpoints.pair import build_draft, build_target, check_pair, check_target
+from .checkpoints.pair_checks import build_draft, build_target, check_pair, check_target
 from .checkpoints.sources import resolve
 from .errors import UserError
 from .graphs import GraphSpec, plan_graphs
@@ -96,7 +97,7 @@ def build_models(lp: LoadedPair) -> BuildModels:
         for n, x in local.items():
             if n in own:
                 weight_shapes[f"{name}/{n}"] = (list(x.shape), dtype if x.dtype.is_floating_point else x.dtype)
-    # KV caches (rank-local heads), with the scratch positions of manifest.kv_cache_length
+    # KV caches (rank-local heads), with the scratch positions of graph_contract.kv_cache_length
     S = kv_cache_length(L, pair.speculation.scratch())
     state = {
         "target": TensorSpec(name=kv_state_name("target"), shape=target_model.kv_shape(B, S), dtype=dtype_name(dtype)),
@@ -106,7 +107,7 @@ def build_models(lp: LoadedPair) -> BuildModels:
 
 
 def contract_outputs(bm: BuildModels, spec: GraphSpec) -> list[TensorSpec]:
-    """A graph's outputs as the runtime returns them, from the contract table (manifest.ROLES)."""
+    """A graph's outputs as the runtime returns them, from the contract table (graph_contract.ROLES)."""
     pair = bm.lp.pair
     outs = spec.contract.output_specs(spec.bucket, spec.shape,
                                       target_hidden=bm.models["target"][2].padded_hidden,

@@ -20,7 +20,7 @@ import torch
 from eagle3_runtime.manifest import dtype_name, torch_dtype
 
 from .checkpoints.load import TARGET_ARGS, TargetCheckpoint, draft_checkpoint, eos_token_ids, read_config
-from .checkpoints.pair import build_draft, build_target
+from .checkpoints.pair_checks import build_draft, build_target
 from .checkpoints.sources import ResolvedSource, TensorSource
 from .compile.cache import CompileCache
 from .compile.scheduler import default_jobs, static_estimate
@@ -58,13 +58,14 @@ class PairPlan:
     graphs: list[PlannedGraph]
     jobs: int | None
     estimate_s: float | None  # wall time of the misses at `jobs` parallel jobs
-    compiler_args: dict[str, list[str]] | None = None  # neuron: neuronx-cc flags per graph role
     notes: list[str] = field(default_factory=list)
-    builders: list[dict] | None = None  # neuron: one NxD ModelBuilder per model
     speculation: dict[int, str] = field(default_factory=dict)  # batch bucket -> its speculation shape
+    details: dict = field(default_factory=dict)  # the backend's own fields (Backend.plan_details)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The plan as JSON data, the backend's own fields beside the generic ones."""
+        out = asdict(self)
+        return {**out, **out.pop("details")}
 
 
 # ------------------------------------------------------------------ configs only
@@ -139,8 +140,7 @@ def check_sizes(pair: PairRecipe, *, memory: bool = True) -> None:
 # ------------------------------------------------------------------ plan
 
 def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> PairPlan:
-    from .backends.base import preflight
-    from .backends.registry import backend_class, get_backend
+    from .backends.registry import backend_class, get_backend, preflight
 
     exact = pair.target.kind != "hf" and pair.draft.kind != "hf"
     notes = []
@@ -192,13 +192,13 @@ def plan_pair(pair: PairRecipe, cache: CompileCache, *, keys: bool = True) -> Pa
                          [{"name": n, "shape": s, "dtype": dtype_name(x)} for n, s, x in ins],
                          status, key, None if est is None else round(est, 1), **cls.plan_graph(spec, cc_args))
         graphs.append(g)
-    builders = cls.plan_models(bm, backend if exact and keys else None, cache, cc_args)
+    details = cls.plan_details(bm, backend if exact and keys else None, cache, cc_args)
     jobs = default_jobs(backend, sum(g.cache != "hit" for g in graphs)) if backend is not None else None
     total = None
     if backend is not None:
         total = round(sum(g.estimate_s or 0.0 for g in graphs) / max(1, jobs or 1), 1)
     return PairPlan(pair.name, pair.backend, pair.parallel.tp_degree, pair.speculation.num_speculative_tokens, origin,
-                    sizes, graphs, jobs, total, cc_args, notes, builders,
+                    sizes, graphs, jobs, total, notes,
                     {b: s.describe() + (f" (menu: {', '.join(x.tag for x in pair.speculation.menu[b])})"
                                         if pair.speculation.menu.get(b) else "")
-                     for b, s in pair.speculation.shapes.items()})
+                     for b, s in pair.speculation.shapes.items()}, details)

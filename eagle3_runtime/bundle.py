@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .backends import backend_class
 from .backends.base import DTYPES, Graph, GraphRunner, RuntimeBackend, call_by_name  # noqa: F401 (re-exported)
+from .backends.registry import backend_class
 from .errors import Eagle3Error
 from .manifest import BundleError, Manifest
 from .reader import bundle_file, check_file, check_weight_header, read_manifest

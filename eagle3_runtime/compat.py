@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .backends import backend_class
+from .backends.registry import backend_class
 from .backends.base import BACKEND, BAD_BUNDLE, DEVICE, OK, SCHEMA, Check, world_size
 from .errors import Eagle3Error
 from .manifest import SCHEMA_VERSION, BundleError, Manifest, SchemaError

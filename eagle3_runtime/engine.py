@@ -5,7 +5,7 @@ cache) at position p = len(ids) - 1. Active sequences occupy KV-cache rows 0..n-
 is refilled by moving the last row into it), so a batch-bucket-b graph works on rows 0..b-1.
 
 One step = at most one prefill (a waiting request, into row n) + one decode step for all rows, in
-a speculation shape of the batch bucket it runs (manifest.SpecShape: a chain, a tree or none; the
+a speculation shape of the batch bucket it runs (speculation.SpecShape: a chain, a tree or none; the
 bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest of the bucket's menu):
 
   speculative round (any row can speculate):
@@ -15,11 +15,11 @@ bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest
     accept    greedy: the longest path of target-argmax tokens; sampled: the path of the target's own samples
               (sampling.verify_tree_sampled); the accepted nodes' KV moves to p..p+a
     catch-up  draft re-runs positions p..p+a with the target's aux states -> the next root's children
-  rows past the speculation cutoff (manifest.can_speculate) take only the verify's first token (one
-  token per step; their verify writes land in the KV scratch positions of manifest.kv_cache_length);
+  rows past the speculation cutoff (graph_contract.can_speculate) take only the verify's first token (one
+  token per step; their verify writes land in the KV scratch positions of graph_contract.kv_cache_length);
   when no row can speculate, the plain target_decode graph runs instead.
 Target decode / verify calls take the bundle's smallest context bucket holding every KV slot the batch's rows
-write (manifest.pick_context), else the whole-cache graph.
+write (graph_contract.pick_context), else the whole-cache graph.
 
 An exception in a step (run_forever) fails the requests of that step (every active row, and the one
 being admitted) with an "error" event naming it, frees their rows and goes on; after
@@ -42,7 +42,9 @@ from .adaptive import MODES, NONE, Chooser, bucket_chooser
 from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
-from .manifest import NO_SPECULATION, SpecShape, can_speculate, pick_context, torch_dtype
+from .graph_contract import can_speculate, pick_context
+from .manifest import torch_dtype
+from .speculation import NO_SPECULATION, SpecShape
 from .metrics import Metrics, SpecStats
 from .sampling import SamplingParams, Uniform, Uniforms, next_token, verify_tree_sampled
 from .tokenizer import BundleTokenizer, TextStream
@@ -454,8 +456,7 @@ class Engine:
         """The prefill bucket of a prompt's first chunk and, where the prompt is longer, the shape whose verify graph
         continues it: of padding the prompt to a bucket that holds it and continuing from a smaller one, the plan the
         warm-up's graph times expect to take least time (draft included: its prefill, and the catch-up calls of the
-        positions it did not prefill; a prefill graph's first call, measured no slower than its next ones on an
-        AMD EPYC); without them, the smallest bucket that holds it. Beyond the largest bucket the prompt is always
+        positions it did not prefill); without them, the smallest bucket that holds it. Beyond the largest bucket the prompt is always
         continued."""
         m, costs = self.bundle.manifest, self.bundle.seconds
         chunk = self.chunk_shapes.get(bsz)
@@ -482,7 +483,7 @@ class Engine:
              **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Call one compiled graph (of speculation shape `shape_`, None: the bucket's own; of the smallest
         context bucket holding KV slots 0..kv_len_-1 where the role has them) with its inputs by name
-        (manifest.ROLES) -> its outputs by name, timed into the metrics (eagle3_graph_latency_seconds; a menu
+        (graph_contract.ROLES) -> its outputs by name, timed into the metrics (eagle3_graph_latency_seconds; a menu
         shape's graph under role:tag)."""
         context = pick_context(self.context_buckets, kv_len_) if kv_len_ is not None else None
         key = (role, bucket, id(shape_), context)  # (the shapes are the manifest's: one id each for the engine's life)

@@ -1,10 +1,9 @@
 """manifest.json: the only contract between the builder and the runtime.
 
-The builder imports these models to write a manifest; the runtime reads it back and trusts nothing
-else about a bundle. Besides the schema this module holds the rules both sides share, each defined
-once: the dtype names, the backends, the graph roles (`ROLES`: model, bucket kind, inputs, outputs,
-tokens per call), the KV scratch rule and the Neuron SDK's package names. It imports no torch.
-Bump SCHEMA_VERSION on any incompatible change.
+The builder imports these models to write a manifest; the runtime reads it back and trusts nothing else
+about a bundle. This module holds the schema, the dtype names and the checks that make a manifest
+consistent with itself: with the graph contract (graph_contract.py), the speculation shapes
+(speculation.py) and its backend's facts (backends/facts.py). It imports no torch.
 """
 from __future__ import annotations
 
@@ -12,22 +11,19 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .backends.facts import KNOWN, backend_facts
 from .errors import Eagle3Error
+from .graph_contract import (KV_DIMS, ROLE_MODEL, ROLES, graph_shape, kv_cache_length, kv_state_name,
+                             min_max_model_len, pick_context, plan_roles)
+from .speculation import MAX_DEPTH, MAX_MENU, Capped, SpecShape, Strict, all_shapes, bucket_shapes
 
-SCHEMA_VERSION = 9  # 2: graph keys, bundle digest, build record; 3: speculation shapes per batch bucket;
-# 4: weights packed at load (GraphEntry.packed); 5: aoti graph files carry their signature (graph_signature);
-# 6: the KV caches' layout named (kv_layout); 7: weights packed for oneDNN (PackedWeight.format "onednn");
-# 8: a menu of speculation shapes per batch bucket (Manifest.menu, GraphEntry.shape); 9: context buckets
-# (Manifest.context_buckets, GraphEntry.context)
+SCHEMA_VERSION = 9  # bump on any incompatible change (history: docs/manifest-schema.md)
 MANIFEST = "manifest.json"
-
-BACKENDS = ("export", "aoti", "neuron")
 
 # ------------------------------------------------------------------ dtypes
 
@@ -55,400 +51,7 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# ------------------------------------------------------------------ speculation shapes
-#
-# Every batch bucket has one speculation shape (what `--speculation always` runs) and may have a menu of
-# more, compiled alongside it (`--speculation auto` serves whichever is fastest on the host). A
-# speculative round drafts a tree rooted at the
-# pending token: the root's children are the draft's top-k at the pending position; each of
-# `depth - 1` draft steps expands `width` frontier nodes by their top-k children; `num_nodes` nodes
-# (the root included) are verified in one target pass. Dynamic trees (SGLang's --speculative-eagle-topk /
-# --speculative-num-draft-tokens) keep the best `width` new nodes as the frontier and verify the
-# num_nodes - 1 best drafted nodes by cumulative draft log-probability; static trees (TensorRT-LLM's
-# eagle_choices) fix the nodes as paths of child ranks. A chain of K is the tree (K, 1, 1, K + 1).
-MAX_DEPTH = 16
-MAX_NODES = 128
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def _at_most(n: int):
-    """A size cap checked on the raw value, before pydantic validates any element (its own max_length
-    counts after validating them all)."""
-    def check(v):
-        if isinstance(v, (list, dict, str)) and len(v) > n:
-            raise ValueError(f"has {len(v)} items, at most {n} are allowed")
-        return v
-    return BeforeValidator(check)
-
-
-def Capped(tp, n: int):
-    return Annotated[tp, _at_most(n)]
-
-
-class SpecShape(_Strict):
-    depth: Annotated[int, Field(ge=0, le=MAX_DEPTH)]  # draft tokens on the longest path; 0 = no speculation
-    topk: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # children per expanded node
-    width: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # nodes expanded per draft step
-    num_nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # nodes per verify pass, the root included
-    choices: Capped(list[Capped(list[Annotated[int, Field(ge=0, le=MAX_NODES)]], MAX_DEPTH)],
-                    MAX_NODES - 1) | None = None  # static tree: paths of ranks
-
-    @model_validator(mode="after")
-    def _valid(self) -> "SpecShape":
-        if self.depth == 0:
-            if (self.topk, self.width, self.num_nodes, self.choices) != (1, 1, 1, None):
-                raise ValueError("a shape without speculation (depth 0) has topk 1, width 1, num_nodes 1, no choices")
-        elif self.choices is not None:
-            if self != static_tree(self.choices):
-                raise ValueError("topk / width / num_nodes / depth do not match the static tree's choices")
-        elif self.width > self.topk:
-            raise ValueError(f"width {self.width} exceeds topk {self.topk}")
-        else:
-            problems = tree_problems(self.depth, self.topk, self.num_nodes)
-            if problems:
-                key, message = problems[0]
-                raise ValueError(f"{key}: {message}")
-        return self
-
-    @property
-    def kind(self) -> str:
-        return "none" if self.depth == 0 else "static" if self.choices is not None else (
-            "chain" if self.topk == 1 else "dynamic")
-
-    @property
-    def speculates(self) -> bool:
-        return self.depth > 0
-
-    @property
-    def scratch(self) -> int:
-        """KV positions past a row's pending one that a round writes: the verify's nodes (target) and
-        the draft steps' frontier nodes (draft)."""
-        return max(self.num_nodes - 1, (self.depth - 1) * self.width)
-
-    @property
-    def tag(self) -> str:
-        """A short name for flags and graph names: none, chain3, tree4x2x8 (depth x topk x nodes), static
-        trees by depth x nodes and a digest of their paths."""
-        if self.kind == "static":
-            paths = hashlib.sha256(json.dumps(self.choices).encode()).hexdigest()[:6]
-            return f"static{self.depth}x{self.num_nodes}-{paths}"
-        return {"none": "none", "chain": f"chain{self.depth}",
-                "dynamic": f"tree{self.depth}x{self.topk}x{self.num_nodes}"}[self.kind]
-
-    def describe(self) -> str:
-        return {"none": "no speculation", "chain": f"chain K {self.depth}",
-                "dynamic": f"tree depth {self.depth} topk {self.topk} nodes {self.num_nodes}",
-                "static": f"static tree depth {self.depth} nodes {self.num_nodes}"}[self.kind]
-
-    def dims(self) -> dict[str, int]:
-        """The shape symbols of the role table."""
-        return {"N": self.num_nodes, "T": self.depth + 1, "W": self.width, "k": self.topk,
-                "M": max(1, (self.depth - 1) * self.width)}
-
-
-NO_SPECULATION = SpecShape(depth=0)
-
-
-def chain(K: int) -> SpecShape:
-    return SpecShape(depth=K, num_nodes=K + 1) if K else NO_SPECULATION
-
-
-def max_tree_nodes(depth: int, topk: int) -> int:
-    """The most nodes a dynamic tree can verify: the root, its topk children, then topk**2 candidates per
-    further draft step."""
-    return 1 + topk + (depth - 1) * topk * topk if depth else 1
-
-
-# The speculation-shape rules, each stated once with the recipe key it is about: the recipe places every
-# problem at its line (recipe/checks.py), a manifest raises the first.
-
-def tree_problems(depth: int, topk: int, num_nodes: int) -> list[tuple[str, str]]:
-    """A dynamic tree of `depth` draft steps, `topk` children per expanded node and `num_nodes` nodes per
-    verify pass (the root included), each within its own bounds: [(recipe key, message)]."""
-    if depth == 0:
-        return [("num_speculative_tokens", "must be >= 1 with a tree (a tree drafts at least one step); for no "
-                                           "speculation at this batch bucket drop tree")]
-    most = max_tree_nodes(depth, topk)
-    bounds = f"[{depth + 1}, {min(most, MAX_NODES)}]"
-    if num_nodes < depth + 1:
-        return [("num_draft_tokens", f"must be in {bounds}, got {num_nodes}: it counts the root too, so {depth} draft "
-                                     f"steps verify at least num_speculative_tokens + 1 = {depth + 1} nodes; raise "
-                                     "num_draft_tokens or lower num_speculative_tokens")]
-    if num_nodes > most:
-        return [("num_draft_tokens", f"must be in {bounds}, got {num_nodes}: {depth} steps of topk {topk} children "
-                                     f"can grow at most {most} nodes (the root included); lower num_draft_tokens or "
-                                     "raise topk or num_speculative_tokens")]
-    return []
-
-
-def choices_problems(choices: list[list[int]]) -> list[tuple[int | None, str]]:
-    """A static tree's paths of child ranks (TensorRT-LLM eagle_choices), each rank below MAX_NODES:
-    [(index of the bad path, or None for the list, message)]."""
-    if not choices:
-        return [(None, "must not be empty: give paths of child ranks such as [[0], [1], [0, 0]] (the root is "
-                       "implied)")]
-    out: list[tuple[int | None, str]] = []
-    given = {tuple(c) for c in choices}
-    first: dict[tuple, int] = {}
-    too_deep = False
-    for i, c in enumerate(choices):
-        t = tuple(c)
-        if not t:
-            out.append((i, "an empty path [] (the root is implied); remove it"))
-        elif t in first:
-            out.append((i, f"{list(t)} appears twice (first as choices[{first[t]}]); each path names one node, "
-                           "remove one"))
-        else:
-            first[t] = i
-            if len(t) > 1 and t[:-1] not in given:
-                out.append((i, f"{list(t)} has no parent {list(t[:-1])} (the paths must be prefix-closed); add "
-                               f"{list(t[:-1])} or remove {list(t)}"))
-            if len(t) > MAX_DEPTH and not too_deep:
-                out.append((i, f"{list(t)} is {len(t)} deep; a tree has at most {MAX_DEPTH} draft steps (the "
-                               "runtime's MAX_DEPTH); shorten the paths"))
-                too_deep = True
-    if len(choices) + 1 > MAX_NODES:
-        out.append((None, f"{len(choices)} paths, at most {MAX_NODES - 1}: a verify pass holds at most {MAX_NODES} "
-                          "nodes (the runtime's MAX_NODES), the root included; remove paths"))
-    return out
-
-
-def dynamic_tree(depth: int, topk: int, num_nodes: int) -> SpecShape:
-    return SpecShape(depth=depth, topk=topk, width=topk, num_nodes=num_nodes) if topk > 1 else chain(depth)
-
-
-def static_tree(choices: list[list[int]]) -> SpecShape:
-    """The shape of a static tree given as TensorRT-LLM's eagle_choices: each path of child ranks names
-    one node; the set must be prefix-closed. Raises ValueError naming the first bad path (choices_problems)."""
-    problems = choices_problems(choices)
-    if problems:
-        where, message = problems[0]
-        raise ValueError(f"choices{'' if where is None else f'[{where}]'}: {message}")
-    paths = [tuple(c) for c in choices]
-    depth = max(len(c) for c in paths)
-    parents = {c[:-1] for c in paths if len(c) > 1}
-    width = max([sum(len(p) == m for p in parents) for m in range(1, depth)] or [1])
-    return SpecShape.model_construct(depth=depth, topk=max(c[-1] for c in paths) + 1, width=width,
-                                     num_nodes=len(paths) + 1, choices=sorted_choices(paths))
-
-
-def sorted_choices(choices) -> list[list[int]]:
-    """Static-tree paths in node order: by depth, then by ranks (parents before children)."""
-    return [list(c) for c in sorted(map(tuple, choices), key=lambda c: (len(c), c))]
-
-
-# ------------------------------------------------------------------ the graph contract
-#
-# One graph per (role, bucket), called as
-#     graph(weights: tuple[Tensor, ...], kv: Tensor, rank: Tensor[1], *inputs) -> tuple[Tensor, ...]
-# weights in the order GraphEntry.weights lists them, then GraphEntry.packed (copies made at load),
-# `kv` the model's static KV cache (mutated in place), the rank as an int64 tensor (one graph serves
-# every rank), then the role's inputs below.
-# Shape symbols: n the bucket (prefill length S or batch size b); from the bucket's SpecShape N (nodes
-# per verify), T = depth + 1 (the longest accepted path with its bonus token), W (nodes per draft
-# step), k (children per node; prefill: the largest k of any bucket), M (draft-step scratch); A = 3 x the
-# padded target hidden (aux states), Hd the padded draft hidden, V the target vocab.
-# Dtypes: a manifest dtype, "model" (the bundle dtype) or "index" (int64; int32 where the backend
-# asks: Neuron). Outputs are what the runtime returns (integer outputs int64 on every backend).
-#
-# Tree inputs: node i of a row sits at KV slot start + i (verify) or at `slots` (draft step) and at RoPE
-# position `positions`; it sees every committed slot < start and the scratch slots start + j with
-# tree_mask[i, j] != 0 (its ancestors and itself; an index dtype: Neuron takes no bool inputs).
-#
-# Context buckets (NxDI's token-generation buckets): a per-context role also has one graph per entry c of
-# Manifest.context_buckets that reads only KV slots 0..c-1 (same inputs and outputs; attention over the
-# cache costs in proportion to the slots read). The engine calls the smallest one whose slots hold every
-# slot the call's rows write (pick_context); the graph without a context reads the whole cache.
-
-
-@dataclass(frozen=True)
-class Port:
-    """One input or output of a role: name, shape in the symbols above, dtype."""
-
-    name: str
-    shape: tuple[str | int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class Role:
-    name: str
-    model: str  # target | draft
-    bucket_kind: str  # prefill (one sequence of S tokens) | batch (b rows)
-    inputs: tuple[Port, ...]  # after the rank, in call order
-    outputs: tuple[Port, ...]
-    token_input: str  # the input whose size is the tokens one call processes
-    needs_depth: int = 0  # compiled for a bucket whose shape has at least this depth
-    per_shape: bool = False  # one graph per shape of the bucket's menu (else one per bucket: merged_shape)
-    per_context: bool = False  # also one graph per context bucket (attends over that many KV slots only)
-
-    def graph_name(self, bucket: int, variant: SpecShape | None = None, context: int | None = None) -> str:
-        """<role>_b<bucket> (prefill: _s<length>); a menu shape's own graph adds _<tag>, a context bucket's
-        _c<slots>."""
-        return f"{self.name}_{'s' if self.bucket_kind == 'prefill' else 'b'}{bucket}" + (
-            f"_{variant.tag}" if variant is not None else "") + (f"_c{context}" if context is not None else "")
-
-    def input_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, dtype: str,
-                    index_dtype: str = "int64") -> list[tuple[str, list[int], str]]:
-        """(name, shape, dtype name) of every input in call order, the rank first."""
-        dims = _dims(bucket, shape, target_hidden, draft_hidden, 0)
-        return [(RANK.name, list(RANK.shape), RANK.dtype)] + [_resolve(p, dims, dtype, index_dtype) for p in self.inputs]
-
-    def output_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, vocab: int,
-                     dtype: str) -> list[tuple[str, list[int], str]]:
-        dims = _dims(bucket, shape, target_hidden, draft_hidden, vocab)
-        return [_resolve(p, dims, dtype, "int64") for p in self.outputs]
-
-    def tokens_per_call(self, bucket: int, shape: SpecShape) -> int:
-        (port,) = [p for p in self.inputs if p.name == self.token_input]
-        dims = _dims(bucket, shape, 0, 0, 0)
-        return math.prod(dims[d] if isinstance(d, str) else d for d in port.shape)
-
-
-RANK = Port("rank", (1,), "int64")  # always int64: a portable graph's input, Neuron's per-rank weight
-
-
-def _dims(n: int, shape: SpecShape, target_hidden: int, draft_hidden: int, vocab: int) -> dict[str, int]:
-    return {"n": n, **shape.dims(), "A": 3 * target_hidden, "Hd": draft_hidden, "V": vocab}
-
-
-def _resolve(p: Port, dims: dict[str, int], dtype: str, index_dtype: str) -> tuple[str, list[int], str]:
-    shape = [dims[d] if isinstance(d, str) else d for d in p.shape]
-    return p.name, shape, {"model": dtype, "index": index_dtype}.get(p.dtype, p.dtype)
-
-
-def _ports(*specs: str) -> tuple[Port, ...]:
-    """"tokens[1,n]:index" -> Port("tokens", (1, "n"), "index")."""
-    out = []
-    for spec in specs:
-        head, dtype = spec.split(":")
-        name, dims = head.rstrip("]").split("[")
-        out.append(Port(name, tuple(int(d) if d.isdigit() else d for d in dims.split(",")), dtype))
-    return tuple(out)
-
-
-ROLES: dict[str, Role] = {r.name: r for r in (
-    Role("target_prefill", "target", "prefill", _ports("tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
-         _ports("logits[1,V]:float32", "aux[1,n,A]:model"), "tokens"),
-    Role("target_verify", "target", "batch",
-         _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:index"),
-         _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1, per_shape=True,
-         per_context=True),
-    Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
-         _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens", per_context=True),
-    Role("draft_prefill", "draft", "prefill",
-         _ports("aux[1,n,A]:model", "next_tokens[1,n]:index", "slot[1]:index", "last[1]:index"),
-         _ports("token[1,k]:int64", "logprob[1,k]:float32", "hidden[1,Hd]:model"), "next_tokens", needs_depth=1),
-    Role("draft_catchup", "draft", "batch",
-         _ports("aux[n,T,A]:model", "next_tokens[n,T]:index", "start[n]:index", "last[n]:index"),
-         _ports("token[n,k]:int64", "logprob[n,k]:float32", "hidden[n,Hd]:model"), "next_tokens", needs_depth=1),
-    Role("draft_step", "draft", "batch",
-         _ports("hidden[n,W,Hd]:model", "tokens[n,W]:index", "positions[n,W]:index", "slots[n,W]:index",
-                "start[n]:index", "tree_mask[n,W,M]:index"),
-         _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2,
-         per_shape=True),
-)}
-# derived views
-PREFILL_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "prefill")
-BATCH_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "batch")
-ROLE_MODEL = {r.name: r.model for r in ROLES.values()}
-
-
-MAX_MENU = 16  # shapes on one batch bucket's menu besides its own
-
-
-def merged_shape(shapes) -> SpecShape:
-    """What a graph shared by several shapes is built for: the deepest, with the largest topk of any (the
-    prefill graphs over every shape of the bundle, a bucket's draft_catchup over its menu: they propose
-    the root's children for whichever shape drafts next, and catch up on its longest accepted path)."""
-    shapes = list(shapes)
-    deepest = max(shapes, key=lambda s: (s.depth, s.topk))
-    k = max(s.topk for s in shapes)
-    return deepest if deepest.topk == k else deepest.model_copy(update={"topk": k})
-
-
-def bucket_shapes(speculation: dict[int, SpecShape], menu: dict[int, list[SpecShape]] | None,
-                  bucket: int) -> list[SpecShape]:
-    """A batch bucket's shapes: its own first, then its menu."""
-    return [speculation[bucket], *(menu or {}).get(bucket, [])]
-
-
-def all_shapes(speculation: dict[int, SpecShape], menu: dict[int, list[SpecShape]] | None) -> list[SpecShape]:
-    return [s for b in speculation for s in bucket_shapes(speculation, menu, b)]
-
-
-PlannedRole = tuple[str, int, SpecShape | None, int | None]
-
-
-def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape],
-               menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = ()
-               ) -> list[PlannedRole]:
-    """Every (role, bucket, variant, context) a bundle has, in build order: the prefill roles per prefill
-    bucket (draft_prefill if any shape speculates), then per batch bucket the roles its shapes need
-    (target_decode always: the plain round and the speculation-cutoff fallback); variant is the menu shape a
-    per-shape role's graph is for (None: the bucket's own shape, or a graph every shape of the bucket
-    shares); context the KV slots a per-context role's graph reads (None: the whole cache), the whole-cache
-    graph first."""
-    depth = max(s.depth for s in all_shapes(speculation, menu))
-    out: list[PlannedRole] = [
-        (r, s, None, None) for s in prefill_buckets for r in PREFILL_ROLES if depth >= ROLES[r].needs_depth]
-    for b, own in speculation.items():
-        shapes = bucket_shapes(speculation, menu, b)
-        for r in BATCH_ROLES:
-            role = ROLES[r]
-            if not role.per_shape:
-                variants = [None] if max(s.depth for s in shapes) >= role.needs_depth else []
-            else:
-                variants = [None if s == own else s for s in shapes if s.depth >= role.needs_depth]
-            for c in [None, *contexts] if role.per_context else [None]:
-                out += [(r, b, v, c) for v in variants]
-    return out
-
-
-def pick_context(contexts: list[int], slots: int) -> int | None:
-    """The smallest context bucket holding `slots` KV slots (None: the whole cache)."""
-    return next((c for c in contexts if c >= slots), None)
-
-
-def graph_shape(role: str, bucket: int, speculation: dict[int, SpecShape],
-                menu: dict[int, list[SpecShape]] | None = None, variant: SpecShape | None = None) -> SpecShape:
-    """The speculation shape one graph is built for."""
-    if role in PREFILL_ROLES:
-        return merged_shape(all_shapes(speculation, menu))
-    if ROLES[role].per_shape:
-        return variant or speculation[bucket]
-    return merged_shape(bucket_shapes(speculation, menu, bucket))
-
-
-# ------------------------------------------------------------------ the KV scratch rule
-#
-# A row at pending position p speculates while p + depth <= max_model_len - 1 (its accepted tokens
-# stay inside max_model_len); a row past that cutoff still rides along in a verify batch, which writes
-# N positions from p, and in the draft steps. So every KV-cache row has the largest shape's scratch
-# positions past max_model_len, rounded up to KV_ALIGN so that the cache (and every graph but verify /
-# catch-up / step) keeps its shape when only the speculation shape changes.
-KV_ALIGN = 64
-
-
-def can_speculate(pos: int, depth: int, max_model_len: int) -> bool:
-    return pos + depth <= max_model_len - 1
-
-
-def min_max_model_len(depth: int) -> int:
-    """The smallest max_model_len for `depth` speculative tokens, depth + 2: the pending token sits at
-    p >= 1 (a prompt has a token) and can_speculate needs p + depth <= max_model_len - 1. Also the smallest
-    context bucket: the slots a verify at the first speculating position writes."""
-    return int(depth) + 2
-
-
-def kv_cache_length(max_model_len: int, scratch: int) -> int:
-    """Positions per KV-cache row: max_model_len + the scratch positions, rounded up to KV_ALIGN."""
-    need = max_model_len + scratch
-    return -(-need // KV_ALIGN) * KV_ALIGN
-
+# ------------------------------------------------------------------ the schema
 
 MAX_DIM = 1 << 40  # no real tensor dimension comes near this; a manifest that says so is refused
 Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
@@ -473,7 +76,7 @@ class SchemaError(BundleError):
     """A manifest schema version this runtime cannot read."""
 
 
-class TensorSpec(_Strict):
+class TensorSpec(Strict):
     name: str
     shape: Capped(list[Dim], 16)
     dtype: Literal[DTYPE_NAMES]  # type: ignore[valid-type]
@@ -485,7 +88,7 @@ class TensorSpec(_Strict):
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
-class FileEntry(_Strict):
+class FileEntry(Strict):
     path: Capped(str, 4096)  # relative to the bundle root, POSIX separators
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     size: Annotated[int, Field(ge=0)]
@@ -505,7 +108,7 @@ BLOCKED_FORMATS = (BLOCKED, BLOCKED_BF16)
 FUSED_FORMATS = (*ONEDNN_FORMATS, *BLOCKED_FORMATS)
 
 
-class PackedWeight(_Strict):
+class PackedWeight(Strict):
     """A graph input made at load time from one of its weights (eagle3_runtime.packing)."""
     weight: str  # qualified name, one of the graph's weights
     # more of them, concatenated after `weight` along the output dim into one copy (FUSED_FORMATS only)
@@ -526,7 +129,7 @@ MAX_FILES = 1 << 16
 MAX_PORTS = 32
 
 
-class GraphEntry(_Strict):
+class GraphEntry(Strict):
     name: str
     role: Literal[tuple(ROLE_MODEL)]  # type: ignore[valid-type]
     model: Literal["target", "draft"]
@@ -549,7 +152,7 @@ class GraphEntry(_Strict):
         raise KeyError(f"graph {self.name} has no input {name!r}")
 
 
-class ModelEntry(_Strict):
+class ModelEntry(Strict):
     name: Literal["target", "draft"]
     architecture: str
     config: dict[str, Any]  # the canonical args the graphs were traced with
@@ -564,7 +167,7 @@ class ModelEntry(_Strict):
         return v
 
 
-class Manifest(_Strict):
+class Manifest(Strict):
     schema_version: int
     name: str
     created_at: str
@@ -610,10 +213,10 @@ class Manifest(_Strict):
             if g.model != ROLE_MODEL[g.role] or states.get(g.model) != g.state:
                 raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role "
                                  f"({ROLE_MODEL[g.role]}, state {states.get(ROLE_MODEL[g.role])!r})")
-            fmt = g.backend.get("format")
-            if fmt != GRAPH_FORMATS.get(self.backend, fmt):
+            fmt, want = g.backend.get("format"), backend_facts(self.backend).graph_format
+            if want is not None and fmt != want:
                 raise ValueError(f"graph {g.name}: its file is a {fmt!r} graph, a {self.backend} bundle's graphs are "
-                                 f"{GRAPH_FORMATS[self.backend]!r}")
+                                 f"{want!r}")
             _check_ports(self, g)
             _check_weights(self, g, weights.setdefault(g.model, g.weights))
         if self.digest and not DIGEST_RE.fullmatch(self.digest):
@@ -681,25 +284,7 @@ def digest_of(raw: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-# ------------------------------------------------------------------ manifest facts the runtime relies on
-
-# what each backend's graph files are (GraphEntry.backend["format"])
-GRAPH_FORMATS = {"export": "torch.export", "aoti": "aotinductor", "neuron": "nxd-model"}
-PACKING_BACKENDS = ("aoti",)  # graphs that may take weights packed at load (GraphEntry.packed)
-
-# KV caches: one state tensor per model with these dims, in the order the manifest's kv_layout names:
-# layers, 2 (k, v), rows (max_num_seqs), KV heads per rank, positions (kv_cache_length), head_dim; a row is
-# a sequence slot, a position a token's KV slot
-KV_DIMS = ("layers", "kv", "rows", "heads", "positions", "head_dim")
-
-
-def kv_state_name(model: str) -> str:
-    return f"{model}_kv"
-
-
-def index_dtype(backend: str) -> str:
-    """The dtype of token / position / index inputs: int32 on Neuron (NxDI's), int64 elsewhere."""
-    return "int32" if backend == "neuron" else "int64"
+# ------------------------------------------------------------------ the checks
 
 
 def kv_state_shape(model: ModelEntry, max_num_seqs: int, positions: int, layout=KV_DIMS) -> list[int]:
@@ -768,13 +353,13 @@ def _check_graph_table(m: Manifest) -> None:
     need = {(r, b, v.tag if v else None, c)
             for r, b, v, c in plan_roles(m.prefill_buckets, m.speculation, m.menu, m.context_buckets)}
 
-    def said(keys):
+    def graph_labels(keys):
         return [f"{r}/{b}" + (f"/{v}" if v else "") + (f"/c{c}" if c else "") for r, b, v, c in sorted(keys, key=str)]
-    missing = said(need - have)
+    missing = graph_labels(need - have)
     if missing:
         raise ValueError(f"graphs: missing {', '.join(missing[:4])} (every bucket needs its shapes' roles, "
                          "per context bucket where the role has them)")
-    extra = said(have - need)
+    extra = graph_labels(have - need)
     if extra:
         raise ValueError(f"graphs: {', '.join(extra[:4])} serves no shape of its bucket (speculation, menu) "
                          "or no context bucket")
@@ -804,11 +389,10 @@ def _check_ports(m: Manifest, g: GraphEntry) -> None:
     inputs from these and reads the outputs by them."""
     shape = graph_shape(g.role, g.bucket, m.speculation, m.menu, g.shape)
     role = ROLES[g.role]
-    hidden = {name: m.models[name].layout_int("padded_hidden") for name in m.models}
-    dims = _dims(g.bucket, shape, hidden["target"], hidden["draft"], m.vocab_size)
-    want = ([(RANK.name, list(RANK.shape), RANK.dtype)]
-            + [_resolve(p, dims, m.dtype, index_dtype(m.backend)) for p in role.inputs],
-            [_resolve(p, dims, m.dtype, "int64") for p in role.outputs])
+    hidden = {f"{name}_hidden": m.models[name].layout_int("padded_hidden") for name in m.models}
+    index_dtype = backend_facts(m.backend).index_dtype
+    want = (role.input_specs(g.bucket, shape, **hidden, dtype=m.dtype, index_dtype=index_dtype),
+            role.output_specs(g.bucket, shape, **hidden, vocab=m.vocab_size, dtype=m.dtype))
     for kind, specs, ports in (("inputs", g.inputs, want[0]), ("outputs", g.outputs, want[1])):
         have = [(s.name, s.shape, s.dtype) for s in specs]
         if have != [(n, sh, dt) for n, sh, dt in ports]:
@@ -831,9 +415,9 @@ def _check_weights(m: Manifest, g: GraphEntry, first: list[str]) -> None:
         if model not in m.models or tensor not in m.models[model].tensors:
             raise ValueError(f"graph {g.name}: weight {w!r} is not in any model's tensors")
         specs[w] = m.models[model].tensors[tensor]
-    if g.packed and m.backend not in PACKING_BACKENDS:
-        raise ValueError(f"graph {g.name}: packed weights on a {m.backend} graph (only {', '.join(PACKING_BACKENDS)} "
-                         "graphs take them)")
+    if g.packed and not backend_facts(m.backend).packs_weights:
+        packing = ", ".join(f.name for f in KNOWN.values() if f.packs_weights)
+        raise ValueError(f"graph {g.name}: packed weights on a {m.backend} graph (only {packing} graphs take them)")
     rows = ROLES[g.role].tokens_per_call(g.bucket, graph_shape(g.role, g.bucket, m.speculation, m.menu, g.shape))
     for p in g.packed:
         if p.fused and p.format not in FUSED_FORMATS:

@@ -8,8 +8,7 @@ token row count by measurement (eagle3_build/backends/gemm.py):
              graph passes to `mkl._mkl_linear`; one copy per (weight, row count), decode-sized rows only
   onednn     oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), passed to `mkldnn._linear_pointwise`;
              one copy per weight serves every row count, prefill chunks included (made for ONEDNN_ROWS
-             rows: measured on an AMD EPYC, the layout made for 8 rows runs 4 to 128 rows as fast as each
-             row count's own, and 1 row faster than the 1-row layout). That call also takes a plain
+             rows: docs/linear-layout.md). That call also takes a plain
              weight, so a host whose torch cannot reorder, or a run with EAGLE3_RUNTIME_NO_PACK=1 (fewer
              copies: less memory), passes the plain weight (same results, slower)
   blocked    the weight transposed into blocks of `block_n` output columns, [ceil(N / block_n), K, block_n]
@@ -40,11 +39,12 @@ from pathlib import Path
 
 import torch
 
+from . import torch_internals
 from .manifest import BLOCKED, BLOCKED_BF16, BLOCKED_FORMATS, ONEDNN_FORMATS, BundleError, PackedWeight
 
-PACK_FORMATS = ("mkl_sgemm", "onednn", BLOCKED)  # exact float32 forms (backend_options.pack_weights names one)
+PACK_FORMATS = ("mkl_sgemm", "onednn", BLOCKED)  # exact float32 formats (backend_options.pack_weights names one)
 BF16 = "onednn_bf16"
-BF16_FORMATS = (BF16, BLOCKED_BF16)  # the draft's bfloat16 forms
+BF16_FORMATS = (BF16, BLOCKED_BF16)  # the draft's bfloat16 formats
 FORMATS = (*PACK_FORMATS, *BF16_FORMATS)  # every format a graph's packed input may take (manifest PackedWeight)
 # per weight element, of the copy made at load
 ELEMENT_BYTES = {"mkl_sgemm": 4, "onednn": 4, BLOCKED: 4, BF16: 2, BLOCKED_BF16: 2}
@@ -70,24 +70,14 @@ def cpu_description() -> str:
     return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def onednn_bf16_available() -> bool:
-    """Whether oneDNN runs bfloat16 GEMMs on this CPU (AVX-512 or AVX-NE-CONVERT: not on an AVX2-only one)."""
-    return onednn_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and \
-        bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def pack_available(fmt: str) -> bool:
     """Whether this torch can make `fmt`-packed copies on this CPU."""
     if fmt == "mkl_sgemm":
-        return torch.backends.mkl.is_available()
+        return torch_internals.mkl_available()
     if fmt in BLOCKED_FORMATS:
         return True
-    return fmt in ONEDNN_FORMATS and onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and (fmt != BF16 or onednn_bf16_available())
+    return fmt in ONEDNN_FORMATS and torch_internals.onednn_reorder_available() and \
+        (fmt != BF16 or torch_internals.onednn_bf16_available())
 
 
 def copy_key(p: PackedWeight) -> tuple:
@@ -115,7 +105,8 @@ def pack_weight(weight: torch.Tensor, rows: int, fmt: str, block_n: int | None =
         return block(weight.to(BLOCKED_DTYPES[fmt]), block_n)
     if fmt == BF16:
         weight = weight.to(torch.bfloat16)
-    if fmt in ONEDNN_FORMATS and onednn_available() and (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):
+    if fmt in ONEDNN_FORMATS and torch_internals.onednn_available() and \
+            (not pack_available(fmt) or os.environ.get(NO_PACK, "") == "1"):
         return weight  # (_linear_pointwise takes it as it is)
     if not pack_available(fmt):
         raise BundleError(f"this bundle's graphs take {fmt!r}-packed weights, which this torch build cannot make "
@@ -123,8 +114,8 @@ def pack_weight(weight: torch.Tensor, rows: int, fmt: str, block_n: int | None =
                           "on this host, or with backend_options.pack_weights: false")
     w = weight.contiguous()
     if fmt == "mkl_sgemm":
-        return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-    return torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_ROWS)
+        return torch_internals.mkl_pack(w, rows)
+    return torch_internals.onednn_pack(w, ONEDNN_ROWS)
 
 
 @torch.library.custom_op("eagle3::blocked_linear", mutates_args=())
@@ -149,11 +140,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor | 
         y = torch.ops.eagle3.blocked_linear(x, packed, weight.shape[0] if weight is not None else n, threads)
         return y if bias is None else y + bias
     if fmt == "mkl_sgemm":
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+        return torch_internals.mkl_linear(x, packed, weight, bias)
     if fmt == BF16:
         b = None if bias is None else bias.to(torch.bfloat16)
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, b, "none", [None], "").to(x.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+        return torch_internals.onednn_linear(x.to(torch.bfloat16), packed, b).to(x.dtype)
+    return torch_internals.onednn_linear(x, packed, bias)
 
 
 def _per_rows(record) -> str | None:
@@ -165,7 +156,7 @@ def _per_rows(record) -> str | None:
 
 def describe_choice(record: dict | None) -> str | None:
     """One line on a bundle's GEMM choice (the manifest's build record "gemm": the target's projections, and
-    the draft's under "draft"): per row count, the form chosen and where it was measured, next to this host's
+    the draft's under "draft"): per row count, the format chosen and where it was measured, next to this host's
     CPU. None where there is none, or it is not the record the builder writes (the build record is data:
     nothing in it is trusted to have a shape)."""
     rows = _per_rows(record)

@@ -136,7 +136,7 @@ def resolve_bundle(ref: str | os.PathLike, pins: Pins = Pins(), trust_remote_cod
 def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code: bool = False) -> None:
     """The manifest and the user's pins; for native-code graphs an explicit pin, before any graph file is
     read; then every file present and matching."""
-    from .backends import backend_class
+    from .backends.registry import backend_class
     from .bundle import verify_files
     from .reader import bundle_file, read_manifest
 

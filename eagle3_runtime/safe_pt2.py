@@ -25,6 +25,8 @@ import zipfile
 
 import torch
 
+from .torch_internals import is_op_overload
+
 ALLOWED_NAMESPACES = ("aten", "prims", "_c10d_functional")
 DENIED_OPS = {"aten.from_file", "aten._pickle"}  # file access has no place in a model graph
 GETITEM = "_operator.getitem"
@@ -128,7 +130,7 @@ def _allowed_target(target) -> bool:
         return False
     try:
         packet = getattr(getattr(torch.ops, ns), op)
-        return isinstance(getattr(packet, overload), torch._ops.OpOverload)
+        return is_op_overload(getattr(packet, overload))
     except (AttributeError, RuntimeError):
         return False
 

@@ -2,7 +2,7 @@
 checked against its manifest entry.
 
 A graph is called with its weights (GraphEntry.weights, then the packed copies), the model's KV cache,
-the rank and the role's inputs, and returns the role's outputs (manifest.py, "the graph contract"). The
+the rank and the role's inputs, and returns the role's outputs (graph_contract.py). The
 manifest names those tensors; only the graph file knows the shapes its code was compiled for. Each file
 states them:
 

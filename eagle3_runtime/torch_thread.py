@@ -3,10 +3,9 @@ engine, while the HTTP event loop keeps the main thread.
 
 Why one: libgomp (torch's OpenMP) keeps a pool of worker threads per thread that starts parallel work, and
 once its pools hold more threads than the process has cores it throttles how long an idle worker spins
-before it sleeps, so every parallel region of a graph then pays for waking its workers. Loading on the main
-thread and serving from an engine thread made two pools: a demo decode pass took 45 ms instead of 25 ms
-(AMD EPYC, 2 threads), and the server ran at 0.6x the in-process engine. torch.set_num_threads is also per
-thread for OpenMP, so it is applied here, on the thread that computes.
+before it sleeps, so every parallel region of a graph then pays for waking its workers (docs/architecture.md
+has the measurement). torch.set_num_threads is also per thread for OpenMP, so it is applied here, on the
+thread that computes.
 """
 from __future__ import annotations
 

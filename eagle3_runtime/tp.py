@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .backends import backend_class
+from .backends.registry import backend_class
 from .backends.base import DTYPES, GraphRunner, TPContext
 from .bundle import Bundle
 from .errors import Eagle3Error, whole_number

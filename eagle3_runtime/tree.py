@@ -2,7 +2,7 @@
 and the accepted path (EAGLE-2 / SGLang dynamic trees, TensorRT-LLM static trees; a chain is the
 tree with topk 1).
 
-One round per row, for a bucket's SpecShape (manifest.py):
+One round per row, for a bucket's SpecShape (speculation.py):
   root       node 0 = the pending token at position p
   depth 1    the root's top-k children, from the last draft_prefill / draft_catchup
   steps      depth - 1 draft_step calls, each over `width` frontier nodes: their top-k children
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .manifest import SpecShape
+from .speculation import SpecShape
 
 
 @dataclass

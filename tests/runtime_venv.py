@@ -1,6 +1,7 @@
-"""The runtime-only venv of tests/test_runtime_install.py: a fresh venv with `pip install -c requirements-dev.txt
-./eagle3_runtime` and nothing else. No pytest here: `make test` runs `python3 tests/runtime_venv.py DIR` with the
-bare interpreter while .venv is still being installed (DIR/.installed or DIR/.failed when done)."""
+"""The runtime-only venvs of tests/test_runtime_install.py: a fresh venv with `pip install -c requirements-dev.txt
+./eagle3_runtime` and nothing else, or with `--torch VERSION` that torch instead of the dev pin (the Neuron SDK's
+2.9: PyPI's build). No pytest here: `make test` runs `python3 tests/runtime_venv.py DIR [--torch VERSION]` with
+the bare interpreter while .venv is still being installed (DIR/.installed or DIR/.failed when done)."""
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def pip(venv: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProce
     return r
 
 
-def make_runtime_venv(venv: Path) -> float:
-    """A fresh venv with the runtime distribution alone installed; returns the seconds it took."""
+def make_runtime_venv(venv: Path, torch_version: str | None = None) -> float:
+    """A fresh venv with the runtime distribution alone installed (on `torch_version`, else the dev pin); returns
+    the seconds it took."""
     t0 = time.monotonic()
     shutil.rmtree(venv, ignore_errors=True)
     venv.mkdir(parents=True)
@@ -37,14 +39,20 @@ def make_runtime_venv(venv: Path) -> float:
     src = venv / "src" / "eagle3_runtime"
     shutil.copytree(REPO / "eagle3_runtime", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    pip(venv, "install", "-q", "--no-compile", "-c", str(REPO / "requirements-dev.txt"), str(src))
+    pins = REPO / "requirements-dev.txt"
+    if torch_version:  # the dev pins but torch's
+        pins = venv / "constraints.txt"
+        pins.write_text("".join(line for line in (REPO / "requirements-dev.txt").read_text().splitlines(True)
+                                if not line.startswith("torch==")) + f"torch=={torch_version}\n")
+    pip(venv, "install", "-q", "--no-compile", "-c", str(pins), str(src), timeout=1800)
     return time.monotonic() - t0
 
 
 if __name__ == "__main__":
     target = Path(sys.argv[1]).resolve()
+    version = sys.argv[3] if sys.argv[2:3] == ["--torch"] else None
     try:
-        seconds = make_runtime_venv(target)
+        seconds = make_runtime_venv(target, version)
     except Exception as e:
         target.mkdir(parents=True, exist_ok=True)
         (target / ".failed").write_text(str(e))

@@ -125,7 +125,7 @@ def test_engine_auto_serves_what_costs_and_acceptance_favour_and_stays_lossless(
 
     from eagle3_runtime.bundle import Bundle
     from eagle3_runtime.engine import Engine
-    from eagle3_runtime.manifest import BATCH_ROLES
+    from eagle3_runtime.graph_contract import BATCH_ROLES
 
     b = Bundle(tiny.bundle().path)
     b.warm_up()

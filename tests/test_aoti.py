@@ -14,7 +14,8 @@ import torch
 from conftest import REPO, run_cli
 from test_tp import torchrun
 
-from eagle3_build.backends.aoti import buildable, lean_wrapper_available
+from eagle3_build.backends.aoti import buildable
+from eagle3_build.backends.cpu.inductor_internals import lean_wrapper_available
 from eagle3_runtime.manifest import BLOCKED_BF16, BLOCKED_FORMATS, FUSED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BF16, NO_PACK, pack_available
 
@@ -42,10 +43,10 @@ def draft_bf16_form() -> str | None:
 def packing(tp: int) -> str:
     """PACKING[tp]; Inductor's template with a register blocking named (this ISA's last: 8x8 on AVX2, 16x16 on
     AVX-512) where it has one, to build the blocking a copy's block_n names rather than Inductor's choice."""
-    from eagle3_build.backends import gemm, lowerings
+    from eagle3_build.backends.cpu import gemm, inductor_internals as inductor
 
     fmt = PACKING[tp]
-    return gemm.variant(fmt, lowerings.register_blockings()[-1]) if fmt == "blocked" and buildable(fmt) else fmt
+    return gemm.blocked_format(fmt, inductor.register_blockings()[-1]) if fmt == "blocked" and buildable(fmt) else fmt
 
 
 @pytest.fixture(scope="module")
@@ -181,19 +182,19 @@ def assert_packed_projections(m: dict) -> None:
     MKL's format (and blocked), every projection with oneDNN's (one copy serves every row count); oneDNN's and
     blocked also fuse q/k/v and gate/up into one copy each. A blocked format named with its register blocking
     ("blocked:8x8") lays every blocked copy out in that blocking's block_n."""
-    from eagle3_build.backends import gemm
+    from eagle3_build.backends.cpu import gemm
 
     opts = m["recipe"]["backend_options"]
     form = opts.get("pack_weights")
     if form is None:
         return
-    fmt, blocking = gemm.form_parts(form)
+    fmt, blocking = gemm.format_parts(form)
     draft_form = draft_bf16_form() if opts.get("draft_bfloat16") is True else form
     assert {r["choice"] for r in m["build"]["gemm"]["rows"].values()} == {form}
     assert {r["choice"] for r in m["build"]["gemm"]["draft"]["rows"].values()} == {draft_form}
     for g in m["graphs"]:
         rows = {p["rows"] for p in g["packed"]}
-        want = gemm.form_parts(draft_form)[0] if g["role"].startswith("draft") else fmt
+        want = gemm.format_parts(draft_form)[0] if g["role"].startswith("draft") else fmt
         assert all(p["weight"] in g["weights"] and p["format"] == want for p in g["packed"]), g["name"]
         assert all(not p["fused"] for p in g["packed"]) or want in FUSED_FORMATS
         assert all((p["block_n"] is not None) == (p["format"] in BLOCKED_FORMATS) for p in g["packed"])
@@ -287,7 +288,7 @@ def test_a_bundle_built_for_avx2_runs_where_only_avx2_does(world, tmp_path, monk
     # refused at load where oneDNN cannot run it
     avx2 = AotiBackend({"cpu_isa": "avx2"})
     assert avx2.bf16_formats() == ([BLOCKED_BF16] if buildable(BLOCKED_BF16) else [])
-    rec = avx2.pack_choice("float32", [(64, 32)], [1], None, [(64, 32)], draft_bf16=True)
+    rec = avx2.gemm_choice("float32", [(64, 32)], [1], None, [(64, 32)], draft_bf16=True)
     assert all(BF16 not in v["ms"] for v in rec["draft"]["rows"].values())
     assert all((BLOCKED_BF16 in v["ms"]) == buildable(BLOCKED_BF16) for v in rec["draft"]["rows"].values())
     monkeypatch.setattr(AotiBackend, "bf16_formats", lambda self: [])
@@ -311,14 +312,14 @@ def test_a_bundle_built_for_avx2_runs_where_only_avx2_does(world, tmp_path, monk
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="the bundle of the test above (an x86 host with AVX2)")
 def test_graph_profile_names_each_kernel_of_a_bundle_graph(world, tmp_path):
-    """benchmarks/graph_profile.py on that bundle (its recipe): one graph recompiled with kernel profiling gives
+    """`python -m benchmarks graph --profile RECIPE` on that bundle: one graph recompiled with kernel profiling gives
     the bundle graph's outputs, and its kernels (the blocked GEMMs by shape, ATen's attention) account for most of
     a call; a recipe that traces to other graphs is refused."""
     built = world["tiny"].bundle(k=1, recipe={**AOTI_RECIPE, "backend": "aoti", "backend_options": {
         "cpu_isa": "avx2", **({"pack_weights": "blocked"} if buildable("blocked") else {})}}, jobs=2)
-    script = [sys.executable, str(REPO / "benchmarks" / "graph_profile.py"), str(built.path)]
-    r = subprocess.run([*script, str(built.recipe), "--graphs", "target_decode_b1", "--calls", "5",
-                        "--save-result", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=600)
+    script = [sys.executable, "-m", "benchmarks", "graph", str(built.path), "--profile"]
+    r = subprocess.run([*script, str(built.recipe), "--graphs", "target_decode_b1", "--repeats", "5",
+                        "--save-result", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     g = json.loads((tmp_path / "p.json").read_text())["graphs"]["target_decode_b1"]
     names = [k["kernel"] for k in g["kernels"]]
@@ -329,7 +330,7 @@ def test_graph_profile_names_each_kernel_of_a_bundle_graph(world, tmp_path):
     other = world["tiny"].recipe(k=1, recipe={**AOTI_RECIPE, "backend": "aoti", "backend_options": {
         "cpu_isa": "avx2", "pack_weights": False}})  # (other graphs: no packed weights)
     r = subprocess.run([*script, str(other), "--graphs", "target_decode_b1"], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, cwd=REPO)
     assert r.returncode != 0 and "traces to another graph" in r.stderr, r.stderr[-2000:]
 
 
@@ -368,14 +369,14 @@ def test_pack_weights_option(monkeypatch, tmp_path):
     off with pack_weights: false (then the graph keys are those of an unpacked build), or one named
     format; anything else, or a format this torch cannot make, is refused."""
     from eagle3_build.backends import aoti as aoti_mod
-    from eagle3_build.backends import gemm, lowerings
+    from eagle3_build.backends.cpu import gemm, inductor_internals as inductor
     from eagle3_build.backends.aoti import AotiBackend
     from eagle3_build.errors import UserError
     from eagle3_runtime.packing import pack_available
 
     shapes, rows = [(64, 32), (32, 64)], [1, 4, 64]
     on, off = AotiBackend({}), AotiBackend({"pack_weights": False})
-    rec = on.pack_choice("float32", shapes, rows, tmp_path)  # (memoised: later calls measure only what they add)
+    rec = on.gemm_choice("float32", shapes, rows, tmp_path)  # (memoised: later calls measure only what they add)
     # 64 rows (a prefill chunk, beyond SMALL_ROWS): F.linear against oneDNN's copy only (one copy serves every
     # row count; MKL's would be one more per chunk size)
     assert set(rec["rows"]) == ({"1", "4", "64"} if pack_available("onednn") else {"1", "4"})
@@ -384,20 +385,20 @@ def test_pack_weights_option(monkeypatch, tmp_path):
         assert all(("blocked" in v["ms"]) == (int(r) <= 32) for r, v in rec["rows"].items())
     if pack_available("onednn"):
         assert set(rec["rows"]["64"]["ms"]) == {"plain", "onednn"}
-    assert on.pack_choice("bfloat16", shapes, rows, None) is None and off.pack_choice("float32", shapes, rows, None) is None
+    assert on.gemm_choice("bfloat16", shapes, rows, None) is None and off.gemm_choice("float32", shapes, rows, None) is None
     assert "pack_weights" not in off.key_fields("target_decode") and on.key_fields("target_decode")["pack_weights"]
     if pack_available("onednn"):
-        named = AotiBackend({"pack_weights": "onednn"}).pack_choice("float32", shapes, rows, None)
+        named = AotiBackend({"pack_weights": "onednn"}).gemm_choice("float32", shapes, rows, None)
         assert {v["choice"] for v in named["rows"].values()} == {"onednn"} and named["named"] == "onednn"
         assert set(named["rows"]) == {"1", "4", "64"}
     if pack_available("mkl_sgemm"):
-        assert set(AotiBackend({"pack_weights": "mkl_sgemm"}).pack_choice("float32", shapes, rows, None)["rows"]) == {"1", "4"}
+        assert set(AotiBackend({"pack_weights": "mkl_sgemm"}).gemm_choice("float32", shapes, rows, None)["rows"]) == {"1", "4"}
     with pytest.raises(UserError, match="pack_weights"):
         AotiBackend({"pack_weights": "yes"})
     if buildable("blocked"):  # Inductor's template with a register blocking of this ISA named, or refused
-        have = lowerings.register_blockings()
-        last = gemm.variant("blocked", have[-1])
-        named = AotiBackend({"pack_weights": last}).pack_choice("float32", shapes, rows, None)
+        have = inductor.register_blockings()
+        last = gemm.blocked_format("blocked", have[-1])
+        named = AotiBackend({"pack_weights": last}).gemm_choice("float32", shapes, rows, None)
         assert {v["choice"] for v in named["rows"].values()} == {last} and set(named["rows"]) == {"1", "4"}
         with pytest.raises(UserError, match="pack_weights blocked:5x5: Inductor has no such float32 register "
                                             "blocking for cpu:") as e:
@@ -408,17 +409,17 @@ def test_pack_weights_option(monkeypatch, tmp_path):
     # the draft's projections are measured apart; bfloat16 is a candidate only for a draft stored in it (auto)
     d_shapes = [(128, 32), (32, 96)]
     for stored_bf16 in (False, True):
-        rec = on.pack_choice("float32", shapes, rows, tmp_path, draft_shapes=d_shapes, draft_bf16=stored_bf16)
+        rec = on.gemm_choice("float32", shapes, rows, tmp_path, draft_shapes=d_shapes, draft_bf16=stored_bf16)
         assert all(BF16 not in v["ms"] for v in rec["rows"].values())  # never the target's
         assert set(rec["draft"]["rows"]) == set(rec["rows"])
         assert all((BF16 in v["ms"]) == (stored_bf16 and pack_available(BF16)) for v in rec["draft"]["rows"].values())
         # Inductor's template over a bfloat16 blocked copy: at decode-sized row counts, where it has the kernel
         assert all((BLOCKED_BF16 in v["ms"]) == (stored_bf16 and buildable(BLOCKED_BF16) and int(r) <= 32)
                    for r, v in rec["draft"]["rows"].items())
-    never = AotiBackend({"draft_bfloat16": False}).pack_choice("float32", shapes, rows, tmp_path, d_shapes, True)
+    never = AotiBackend({"draft_bfloat16": False}).gemm_choice("float32", shapes, rows, tmp_path, d_shapes, True)
     assert all(f not in v["ms"] for v in never["draft"]["rows"].values() for f in (BF16, BLOCKED_BF16))
     if on.bf16_formats():  # oneDNN's where it runs, else the template's
-        always = AotiBackend({"draft_bfloat16": True}).pack_choice("float32", shapes, rows, tmp_path, d_shapes, False)
+        always = AotiBackend({"draft_bfloat16": True}).gemm_choice("float32", shapes, rows, tmp_path, d_shapes, False)
         named = on.bf16_formats()[0]
         assert {v["choice"] for v in always["draft"]["rows"].values()} == {named} and always["draft"]["named"] == named
     with pytest.raises(UserError, match="draft_bfloat16 'yes': must be auto"):
@@ -431,60 +432,60 @@ def test_pack_weights_option(monkeypatch, tmp_path):
 
 
 def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within_the_margin(tmp_path, monkeypatch):
-    from eagle3_build.backends import gemm
+    from eagle3_build.backends.cpu import gemm
 
-    assert gemm.pick({"plain": [10.0], "mkl_sgemm": [9.9], "onednn": [12.0]}) == "plain"  # within 3%: no flip
-    assert gemm.pick({"plain": [10.0], "mkl_sgemm": [9.0], "onednn": [8.0]}) == "onednn"
+    assert gemm.pick_fastest({"plain": [10.0], "mkl_sgemm": [9.9], "onednn": [12.0]}) == "plain"  # within 3%: no flip
+    assert gemm.pick_fastest({"plain": [10.0], "mkl_sgemm": [9.0], "onednn": [8.0]}) == "onednn"
     # a later form must win every round: a close call the rounds split goes to the earlier form
-    assert gemm.pick({"onednn": [17.1, 16.8], "blocked": [16.5, 17.0]}) == "onednn"
-    assert gemm.pick({"onednn": [21.0, 21.4], "blocked": [15.0, 15.2]}) == "blocked"
-    assert gemm.pick({"plain": [10.0, 10.0], "mkl_sgemm": [9.0, 12.0], "onednn": [12.0, 8.0]}) == "mkl_sgemm"
+    assert gemm.pick_fastest({"onednn": [17.1, 16.8], "blocked": [16.5, 17.0]}) == "onednn"
+    assert gemm.pick_fastest({"onednn": [21.0, 21.4], "blocked": [15.0, 15.2]}) == "blocked"
+    assert gemm.pick_fastest({"plain": [10.0, 10.0], "mkl_sgemm": [9.0, 12.0], "onednn": [12.0, 8.0]}) == "mkl_sgemm"
     big = [(4096, 4096)] * 60 + [(100, 4096)]  # 4 GB of float32: cut to 1 GiB, every shape kept in proportion
-    cut = gemm.fit(big)
+    cut = gemm.fit_in_memory(big)
     assert sum(o * i * 4 for o, i in cut) <= gemm.MAX_BYTES and (100, 4096) in cut and cut.count((4096, 4096)) == 15
     formats = [f for f in ("mkl_sgemm", "onednn") if pack_available(f)]
     first = gemm.choose([(64, 32)] * 4, [1, 2, 99], formats, tmp_path)
     assert set(first["rows"]) == {"1", "2"} | ({"99"} if "onednn" in formats else set())
     assert list((tmp_path / "host").glob("gemm-*.json"))
     assert set(gemm.choose([(64, 32)], [1, 99], [f for f in formats if f == "mkl_sgemm"], None)["rows"]) == {"1"}
-    monkeypatch.setattr(gemm, "time_forms", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(gemm, "time_formats", lambda *a, **k: pytest.fail("measured again"))
     assert gemm.choose([(64, 32)] * 4, [99, 2, 1], formats, tmp_path) == first
     measured = []  # a new row count (a new bucket) measures that row count only; the others keep their choice
-    monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(r) or {f: [1.0] for f in forms})
+    monkeypatch.setattr(gemm, "time_formats", lambda shapes, r, forms, **k: measured.append(r) or {f: [1.0] for f in forms})
     grown = gemm.choose([(64, 32)] * 4, [1, 2, 3, 99], formats, tmp_path)
     assert measured == [3] and {r: grown["rows"][r] for r in first["rows"]} == first["rows"]
     assert gemm.choose([(64, 32)] * 4, [3], formats, tmp_path)["rows"] == {"3": grown["rows"]["3"]}
-    assert gemm.choices({"rows": {"1": {"choice": "plain"}, "8": {"choice": "onednn"}}}) == {8: "onednn"}
+    assert gemm.format_per_rows({"rows": {"1": {"choice": "plain"}, "8": {"choice": "onednn"}}}) == {8: "onednn"}
     # Inductor's template at a row count its register blocking takes in two passes: the one-pass blocking too,
     # after it in the order (within the margin the earlier wins); one that has no such blocking measures none
-    monkeypatch.setattr(gemm.lowerings, "one_pass_blocking", lambda rows: (8, 8) if rows <= 8 else None)
-    monkeypatch.setattr(gemm.lowerings, "blocking", lambda rows, n, k, threads, dtype=None: (4, 24))
+    monkeypatch.setattr(gemm.inductor, "one_pass_blocking", lambda rows: (8, 8) if rows <= 8 else None)
+    monkeypatch.setattr(gemm.inductor, "blocking", lambda rows, n, k, threads, dtype=None: (4, 24))
     assert gemm.blocked_variants([(64, 32)], 8) == ["blocked:8x8"] and gemm.blocked_variants([(64, 32)], 9) == []
     measured = []
-    monkeypatch.setattr(gemm, "time_forms", lambda shapes, r, forms, **k: measured.append(forms) or
+    monkeypatch.setattr(gemm, "time_formats", lambda shapes, r, forms, **k: measured.append(forms) or
                         {f: [2.0 if f == "blocked:8x8" else 3.0] for f in forms})
     rec = gemm.choose([(64, 32)], [8], ["blocked"], None)
     assert measured == [["plain", "blocked", "blocked:8x8"]] and rec["rows"]["8"]["choice"] == "blocked:8x8"
-    assert gemm.choices(rec) == {8: "blocked:8x8"} and gemm.form_parts("blocked:8x8") == ("blocked", (8, 8))
-    assert gemm.form_parts("onednn") == ("onednn", None)
-    # a bfloat16 draft's: each blocked format with its own one-pass blocking, in FORMS order
+    assert gemm.format_per_rows(rec) == {8: "blocked:8x8"} and gemm.format_parts("blocked:8x8") == ("blocked", (8, 8))
+    assert gemm.format_parts("onednn") == ("onednn", None)
+    # a bfloat16 draft's: each blocked format with its own one-pass blocking, in CANDIDATES order
     measured = []
     rec = gemm.choose([(64, 32)], [8], ["blocked", "blocked_bf16"], None)
     assert measured == [["plain", "blocked", "blocked_bf16", "blocked:8x8", "blocked_bf16:8x8"]]
     assert rec["rows"]["8"]["choice"] == "blocked:8x8"
-    assert gemm.form_parts("blocked_bf16:8x8") == ("blocked_bf16", (8, 8))
+    assert gemm.format_parts("blocked_bf16:8x8") == ("blocked_bf16", (8, 8))
     fast = {"plain": [3.0], "blocked": [2.0], "blocked_bf16": [1.2], "blocked_bf16:8x8": [1.1]}
-    assert gemm.pick(fast) == "blocked_bf16:8x8"
-    assert gemm.pick({"plain": [3.0], "blocked": [2.0], "blocked:8x8": [1.97]}) == "blocked"
-    assert gemm.pick({"blocked:8x8": [1.5], "plain": [3.0], "blocked": [2.0]}) == "blocked:8x8"
-    monkeypatch.setattr(gemm.lowerings, "blocking",
+    assert gemm.pick_fastest(fast) == "blocked_bf16:8x8"
+    assert gemm.pick_fastest({"plain": [3.0], "blocked": [2.0], "blocked:8x8": [1.97]}) == "blocked"
+    assert gemm.pick_fastest({"blocked:8x8": [1.5], "plain": [3.0], "blocked": [2.0]}) == "blocked:8x8"
+    monkeypatch.setattr(gemm.inductor, "blocking",
                         lambda rows, n, k, threads, dtype=None: (8, 8) if n == 64 else (4, 16))
     assert gemm.blocked_variants([(64, 32)], 8) == []  # (Inductor's own choice already covers the rows)
     assert gemm.blocked_variants([(64, 32), (48, 32)], 4) == []  # (... and covers them in one pass, if another way)
     assert gemm.blocked_variants([(64, 32), (48, 32)], 8) == ["blocked:8x8"]
     monkeypatch.undo()  # Inductor's template failing to compile on a host: that form is left out, the rest measured
     monkeypatch.setattr(gemm, "blocked_pass", lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler")))
-    assert set(gemm.time_forms([(64, 32)], 2, ["plain", "blocked"], repeats=1)) == {"plain"}
+    assert set(gemm.time_formats([(64, 32)], 2, ["plain", "blocked"], repeats=1)) == {"plain"}
 
 
 @pytest.mark.skipif(not pack_available("onednn"), reason="this torch has no oneDNN packing")

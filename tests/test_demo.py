@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, run_cli
 
 from eagle3_build.checkpoints.load import TargetCheckpoint, llama_args, load_draft
-from eagle3_build.checkpoints.pair import check_pair
+from eagle3_build.checkpoints.pair_checks import check_pair
 from eagle3_build.checkpoints.sources import ResolvedSource, dict_source
 from eagle3_build.recipe import SourceSpec, load_recipe
 
@@ -85,7 +85,7 @@ def test_training_form_equals_runtime_draft():
     previous output state, one position further each, attending to the draft KV cache."""
     from eagle3_build.graphs import DraftPrefill, DraftStep
     from eagle3_build.models.eagle3 import Eagle3Draft
-    from eagle3_runtime.manifest import chain
+    from eagle3_runtime.speculation import chain
 
     tr = _training_module()
     t = _fake_target()

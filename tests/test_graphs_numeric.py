@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from eagle3_build.graphs import DraftCatchup, DraftPrefill, DraftStep, TargetPrefill, TargetVerify
 from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.llama import Llama, LlamaArgs
-from eagle3_runtime.manifest import chain
+from eagle3_runtime.speculation import chain
 
 CHAIN = chain(3)
 

@@ -22,7 +22,8 @@ from test_server import ServerProc
 
 from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.compat import check_bundle
-from eagle3_runtime.manifest import kv_cache_length, sha256_file
+from eagle3_runtime.graph_contract import kv_cache_length
+from eagle3_runtime.manifest import sha256_file
 from eagle3_runtime.safe_pt2 import UnsafeArchive, check_archive
 
 

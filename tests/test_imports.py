@@ -11,7 +11,7 @@ PACKAGES = ("eagle3_runtime", "eagle3_build")
 # the builder's stages, lowest first: a module may import its own stage or one below it
 STAGES = [
     ["", "errors", "files", "host", "progress"],
-    ["recipe", "buckets"],
+    ["recipe", "default_buckets"],
     ["models"],
     ["checkpoints"],
     ["sharding"],

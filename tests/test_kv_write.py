@@ -16,7 +16,7 @@ from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.gpt_oss import GptOss, GptOssArgs
 from eagle3_build.models.llama import Llama, LlamaArgs
 from eagle3_build.models.weights import weight_tensors
-from eagle3_runtime.manifest import dynamic_tree
+from eagle3_runtime.speculation import dynamic_tree
 
 B, S = 2, 64
 SHAPE = dynamic_tree(3, 2, 6)  # a tree: every tree input (masks, slots, positions) is exercised
@@ -81,13 +81,14 @@ def test_kv_cache_written_by_index_put_on_the_cache_itself(model_name, role):
 
 @pytest.mark.parametrize("model_name,role", CASES)
 def test_role_modules_follow_the_contract_table(model_name, role):
-    """Each role module takes the inputs manifest.ROLES names (the runtime passes them by name) and
+    """Each role module takes the inputs graph_contract.ROLES names (the runtime passes them by name) and
     returns the outputs it lists, shapes and dtypes."""
     import inspect
 
     from eagle3_build.backends.base import output_specs
     from eagle3_build.graphs import ROLE_MODULES
-    from eagle3_runtime.manifest import ROLES, dtype_name
+    from eagle3_runtime.graph_contract import ROLES
+    from eagle3_runtime.manifest import dtype_name
 
     contract = ROLES[role]
     assert set(ROLE_MODULES) == set(ROLES)

@@ -1,5 +1,6 @@
 """The projection rule (eagle3_build/models/linear.py): decode-sized float32 inputs are traced
 weight-stationary, prefill-sized ones and other dtypes as F.linear, and both compute x @ W.T (+ b)."""
+import re
 from unittest import mock
 
 import pytest
@@ -79,43 +80,50 @@ def test_packed_forms_compute_the_projection(fmt, no_pack, monkeypatch):
 
 
 def test_projections_of_one_input_share_one_fused_copy():
-    """`linears` (q/k/v, gate/up): while finding what packing serves, the group is recorded as one entry; given
-    one oneDNN copy of the concatenated weights it computes every projection in one GEMM, equal to each one's
-    F.linear; with no such copy (a format that does not fuse) each takes its own path; without packing (no
-    table), or with a bias, it is each layer's forward."""
-    from eagle3_build.models.linear import packed_weights, linears
+    """`project` of several layers (q/k/v, gate/up): the Recorder notes the group as one entry by weight name;
+    PackedLinears given one oneDNN copy of the concatenated weights computes every projection in one GEMM, equal
+    to each one's F.linear; with no copy for the group each takes its own path; with a bias each is on its own."""
+    from torch import nn
+
+    from eagle3_build.backends.cpu.packed import Copy, PackedLinears, Recorder
+    from eagle3_build.models.linear import project, using
     from eagle3_runtime.packing import pack_available, pack_weight
 
     torch.manual_seed(0)
-    layers = [Linear(24, n, bias=False) for n in (40, 8, 8)]
+    layers = nn.ModuleList(Linear(24, n, bias=False) for n in (40, 8, 8))
+    names = ("0.weight", "1.weight", "2.weight")  # (their names in the module `using` is given)
     for layer in layers:
         torch.nn.init.normal_(layer.weight)
     x = torch.randn(1, 4, 24)
     want = [F.linear(x, layer.weight) for layer in layers]
+
+    def run(method, copies=()):
+        with using(layers, method), method.bind(tuple(copies)):
+            return project(x, *layers)
+
     with torch.no_grad():
-        for g, w in zip(linears(x, *layers), want):  # no table: each layer
+        for g, w in zip(project(x, *layers), want):  # no method given: each layer
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-        with packed_weights([]) as seen:
-            linears(x, *layers)
-        assert [(tuple(id(w) for w in ws), rows) for ws, rows in seen] == [(tuple(id(layer.weight) for layer in layers), 4)]
+        rec = Recorder()
+        run(rec)
+        assert rec.seen == {(names, 4)}
         if pack_available("onednn"):
             copy = pack_weight(torch.cat([layer.weight for layer in layers]), 4, "onednn")
-            with packed_weights({tuple(id(layer.weight) for layer in layers): {4: ("onednn", copy)}}):
-                got = linears(x, *layers)
+            got = run(PackedLinears([Copy(names, 4, "onednn")], 1), [copy])
             assert [g.shape for g in got] == [(1, 4, 40), (1, 4, 8), (1, 4, 8)]
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
-            with packed_weights({}):  # not fused for these rows: each weight-stationary
-                for g, w in zip(linears(x, *layers), want):
-                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            for g, w in zip(run(PackedLinears([], 1)), want):  # no copy for the group: each weight-stationary
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            with pytest.raises(ValueError, match="1 packed copies expected"):
+                run(PackedLinears([Copy(names, 4, "onednn")], 1))
         copy = pack_weight(torch.cat([layer.weight for layer in layers]), 4, "blocked", 16)  # (56 columns: padded)
-        with packed_weights({tuple(id(layer.weight) for layer in layers): {4: ("blocked", copy)}}, threads=2):
-            for g, w in zip(linears(x, *layers), want):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
-        biased = [Linear(24, 8, bias=True), Linear(24, 8, bias=True)]
-        with packed_weights([]) as seen:
-            linears(x, *biased)
-        assert [len(ws) for ws, _ in seen] == [1, 1]  # (with a bias: each on its own)
+        for g, w in zip(run(PackedLinears([Copy(names, 4, "blocked")], 2), [copy]), want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+        layers = nn.ModuleList([Linear(24, 8, bias=True), Linear(24, 8, bias=True)])
+        rec = Recorder()
+        run(rec)
+        assert sorted(rec.seen) == [(("0.weight",), 4), (("1.weight",), 4)]  # (with a bias: each on its own)
 
 
 def test_one_onednn_copy_serves_every_row_count():
@@ -145,39 +153,39 @@ def test_blocked_layout_is_inductors():
     run as is computes x @ W.T from it; compiled (aoti's lowering) it is Inductor's CPU GEMM template over the copy
     as given, to float32 rounding, its micro-kernel the register blocking of the copy's block_n (Inductor's choice or
     another of the ISA's; a block_n none has is refused). The
-    micro-kernel as edited (lowerings.tuned_kernel) computes what Inductor's as shipped does, bit for bit."""
+    micro-kernel as edited (inductor_internals.tuned_kernel) computes what Inductor's as shipped does, bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
-    from eagle3_build.backends import lowerings
+    from eagle3_build.backends.cpu import inductor_internals as inductor
     from eagle3_runtime.packing import block, blocked_linear
 
-    if not lowerings.available():
+    if not inductor.blocked_available():
         pytest.skip("Inductor has no vectorised float32 micro-kernel here")
     torch.manual_seed(0)
     w, x = torch.randn(100, 64), torch.randn(4, 64)
     b = block(w, 32)
     assert b.shape == (4, 64, 32) and torch.equal(b[1, :, 5], w[37]) and not b[3, :, 4:].any()
     torch.testing.assert_close(blocked_linear(x, b, 100, 2), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    bn = lowerings.block_n(4, 96, 64, 2)
+    bn = inductor.block_n(4, 96, 64, 2)
     w = torch.randn(96, 64)
     fn = torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False, fullgraph=True)
-    with lowerings.packed_input_lowering(), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+    with inductor.packed_input_lowering(), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
         y, code = run_and_get_code(fn, x, block(w, bn))
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
         # the micro-kernel prefetches its weight (this torch's kernel is the one the lowering edits); on x86 its
         # accumulators are raw registers, the same FMAs in the same order: the shipped kernel's result bit for bit
         code = "".join(code)
-        assert f"B + (k + {lowerings.AHEAD}) * ldb" in code and "prefetch" in lowerings.kernel_tag()
-        assert "vfma(va, vb[col]" in code and "register" in lowerings.kernel_tag()
+        assert f"B + (k + {inductor.AHEAD}) * ldb" in code and "prefetch" in inductor.kernel_tag()
+        assert "vfma(va, vb[col]" in code and "register" in inductor.kernel_tag()
         # a copy of another block_n of this ISA's: that register blocking's micro-kernel; a block_n none has: refused
-        other = next(b for b in lowerings.register_blockings() if b[1] != bn)
+        other = next(b for b in inductor.register_blockings() if b[1] != bn)
         torch._dynamo.reset()
         y, code = run_and_get_code(torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False), x,
                                    block(w, other[1]))
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
         assert f"Mr = {other[0]};" in "".join(code) and f"Nr = {other[1]};" in "".join(code)
         assert f"Nr = {bn};" not in "".join(code)
-        missing = next(n for n in (8, 16, 24, 32, 48) if n not in {b[1] for b in lowerings.register_blockings()})
+        missing = next(n for n in (8, 16, 24, 32, 48) if n not in {b[1] for b in inductor.register_blockings()})
         with pytest.raises(Exception, match=f"blocked weight copy of block_n {missing}: no float32 micro-kernel"):
             torch.compile(lambda x, c: blocked_linear(x, c, 96, 2), dynamic=False)(x, block(w, missing))
     simd = {"AVX512": [512, 256], "AVX2": [256]}.get(torch.backends.cpu.get_cpu_capability(), [])
@@ -185,16 +193,16 @@ def test_blocked_layout_is_inductors():
     for width in simd:  # (x86: the AVX-512 and AVX2 kernels, as edited and as shipped)
         for rows in (3, 8):
             with torch._inductor.config.patch({"cpp.simdlen": width, "fx_graph_cache": False}), torch.no_grad():
-                lowerings._micro_gemm.cache_clear()
-                x, bn = torch.randn(rows, 64), lowerings.block_n(rows, 96, 64, 2)
+                inductor._micro_gemm.cache_clear()
+                x, bn = torch.randn(rows, 64), inductor.block_n(rows, 96, 64, 2)
                 runs = {}
-                for kernel in (lowerings.tuned_kernel, lambda: None):
+                for kernel in (inductor.tuned_kernel, lambda: None):
                     torch._dynamo.reset()
-                    with mock.patch.object(lowerings, "tuned_kernel", kernel), lowerings.packed_input_lowering():
+                    with mock.patch.object(inductor, "tuned_kernel", kernel), inductor.packed_input_lowering():
                         runs[kernel()], code = run_and_get_code(compile_, x, block(w, bn))
                     assert ("vfma(va, vb[col]" in "".join(code)) == (kernel() is not None)
                 assert torch.equal(*runs.values()), (width, rows)
-    lowerings._micro_gemm.cache_clear()
+    inductor._micro_gemm.cache_clear()
 
 
 def test_blocked_bf16_takes_inductors_bfloat16_kernel():
@@ -204,17 +212,17 @@ def test_blocked_bf16_takes_inductors_bfloat16_kernel():
     prefetched: Inductor's shipped kernel's result bit for bit, at one row and at a full register block."""
     from torch._inductor.utils import run_and_get_code
 
-    from eagle3_build.backends import lowerings
+    from eagle3_build.backends.cpu import inductor_internals as inductor
     from eagle3_runtime.manifest import BLOCKED_BF16, PackedWeight
     from eagle3_runtime.packing import pack_weight, packed_linear
 
-    if not lowerings.available(torch.bfloat16):
+    if not inductor.blocked_available(torch.bfloat16):
         pytest.skip("Inductor has no vectorised bfloat16 micro-kernel here")
     torch.manual_seed(0)
     w = torch.randn(96, 64)
     for rows in (1, 8):
         x = torch.randn(rows, 64)
-        bn = lowerings.block_n(rows, 96, 64, 2, dtype=torch.bfloat16)
+        bn = inductor.block_n(rows, 96, 64, 2, dtype=torch.bfloat16)
         c = pack_weight(w, rows, BLOCKED_BF16, bn)
         assert c.dtype == torch.bfloat16 and torch.equal(c[0, :, 1], w[1].to(torch.bfloat16))
         want = (x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T)
@@ -222,15 +230,15 @@ def test_blocked_bf16_takes_inductors_bfloat16_kernel():
         assert ref.dtype == torch.float32
         torch.testing.assert_close(ref, want, rtol=1e-2, atol=1e-2)
         runs = {}
-        for kernel in (lowerings.tuned_kernel, lambda: None):
+        for kernel in (inductor.tuned_kernel, lambda: None):
             torch._dynamo.reset()
             fn = torch.compile(lambda x, c: packed_linear(x, c, None, None, BLOCKED_BF16, n=96, threads=2),
                                dynamic=False, fullgraph=True)
-            with mock.patch.object(lowerings, "tuned_kernel", kernel), lowerings.packed_input_lowering(), \
+            with mock.patch.object(inductor, "tuned_kernel", kernel), inductor.packed_input_lowering(), \
                     torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
                 runs[kernel()], code = run_and_get_code(fn, x, c)
             code = "".join(code)
-            assert ("vloadb(B + k * ldb" in code) == (kernel() is not None and lowerings.tuned_kernel() is not None
+            assert ("vloadb(B + k * ldb" in code) == (kernel() is not None and inductor.tuned_kernel() is not None
                                                       and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
             assert "bfloat16" in code and runs[kernel()].dtype == torch.float32
             torch.testing.assert_close(runs[kernel()], want, rtol=1e-5, atol=1e-4)
@@ -245,19 +253,19 @@ def test_each_template_source_is_parsed_once():
     from torch._inductor.codegen.common import KernelTemplate
     from torch._inductor.utils import run_and_get_code
 
-    from eagle3_build.backends import lowerings
+    from eagle3_build.backends.cpu import inductor_internals as inductor
     from eagle3_runtime.packing import block, blocked_linear
 
-    if not lowerings.available():
+    if not inductor.blocked_available():
         pytest.skip("Inductor has no vectorised float32 micro-kernel here")
     shipped = KernelTemplate.__dict__["_template_from_string"]
     torch.manual_seed(0)
     w, x = torch.randn(96, 64), torch.randn(4, 64)
-    c = block(w, lowerings.block_n(4, 96, 64, 2))
-    codes, memoised = [], lowerings._parsed_once
+    c = block(w, inductor.block_n(4, 96, 64, 2))
+    codes, memoised = [], inductor._parsed_once
     for parse_once in (memoised, lambda parse: parse):
         torch._dynamo.reset()
-        with mock.patch.object(lowerings, "_parsed_once", parse_once), lowerings.packed_input_lowering(), \
+        with mock.patch.object(inductor, "_parsed_once", parse_once), inductor.packed_input_lowering(), \
                 torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
             t = KernelTemplate._template_from_string("x{{ y }}")
             assert (t is KernelTemplate._template_from_string("x{{ y }}")) == (parse_once is memoised)
@@ -277,15 +285,23 @@ def test_a_micro_kernel_the_edits_do_not_know_compiles_as_shipped(monkeypatch):
     import torch._inductor.lowering  # noqa: F401  (Inductor's codegen modules import in this order)
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
-    from eagle3_build.backends import lowerings
+    from eagle3_build.backends.cpu import inductor_internals as inductor
 
-    if not lowerings.available():
+    if not inductor.blocked_available():
         pytest.skip("Inductor has no vectorised float32 micro-kernel here")
+    from eagle3_runtime.torch_internals import TorchInternalsWarning
+
     monkeypatch.setattr(CppMicroGemmFP32Vec, "TEMPLATE_KERNEL", "// another kernel")
-    lowerings.tuned_kernel.cache_clear()
+    inductor.tuned_kernel.cache_clear()
+    inductor.HOOKS.forget()
     try:
-        assert lowerings.tuned_kernel() is None and lowerings.kernel_tag() == "inductor fp32 micro-kernel"
-        with lowerings.packed_input_lowering():
+        with pytest.warns(TorchInternalsWarning, match="builder hook 'micro_kernel_edit' off: its probe failed on "
+                                                       f"torch {re.escape(torch.__version__)}"):
+            assert inductor.tuned_kernel() is None
+        assert inductor.kernel_tag() == "inductor fp32 micro-kernel"
+        assert inductor.report()["hooks"]["micro_kernel_edit"].startswith("off: its probe failed")
+        with inductor.packed_input_lowering():
             assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL == "// another kernel"
     finally:
-        lowerings.tuned_kernel.cache_clear()
+        inductor.tuned_kernel.cache_clear()
+        inductor.HOOKS.forget()

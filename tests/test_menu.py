@@ -124,7 +124,7 @@ def test_auto_picks_among_the_whole_menu_by_cost_and_acceptance(menu_bundle):
 
 def test_a_chain_without_its_own_record_takes_the_deepest_chains(menu_bundle):
     from eagle3_runtime.adaptive import PRIOR_REACH, acceptance_profile
-    from eagle3_runtime.manifest import chain
+    from eagle3_runtime.speculation import chain
 
     m = menu_bundle.manifest
     m.build["acceptance"] = {"chain K 3": {"reach": [0.6, 0.3, 0.15]}, "chain K 1": {"reach": [0.5]}}

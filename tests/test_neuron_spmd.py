@@ -288,13 +288,13 @@ def test_plan_knows_the_built_models_and_refuses_ambiguous_routes(standin_sdk, t
     from eagle3_build.plan import plan_pair
 
     pair, cache = neuron_pair(tmp_path, 1), CompileCache(tmp_path / "cache")
-    assert {b["cache"] for b in plan_pair(pair, cache).builders} == {"miss"}
+    assert {b["cache"] for b in plan_pair(pair, cache).details["builders"]} == {"miss"}
     build_bundle(pair, tmp_path / "bundle", cache=cache)
     plan = plan_pair(pair, cache)
-    assert {b["cache"] for b in plan.builders} == {"hit"}
+    assert {b["cache"] for b in plan.details["builders"]} == {"hit"}
     sizes = [f.size for f in __import__("eagle3_runtime.reader").reader.read_manifest(tmp_path / "bundle")
              .models["target"].weight_files]
-    assert abs(plan.builders[0]["shard_files"][0]["bytes"] - sizes[0]) < 16 << 10  # (file header aside)
+    assert abs(plan.details["builders"][0]["shard_files"][0]["bytes"] - sizes[0]) < 16 << 10  # (file header aside)
     # a prefill bucket of K + 1 tokens has the draft catch-up's input shapes at batch 1: NxD could not route it
     K = pair.speculation.num_speculative_tokens
     clash = pair.model_copy(update={"buckets": pair.buckets.model_copy(update={"prefill": [K + 1, 64]})})
@@ -331,7 +331,7 @@ def tree_pair(tmp_path, tp=1):
     """The tiny llama pair with a dynamic tree (depth 3, topk 2, 7 nodes) in every batch bucket: 8 layers, whose
     noisier target takes the draft's second choice now and then (the 4-layer one, on these prompts, never)."""
     from eagle3_build.recipe import Speculation
-    from eagle3_runtime.manifest import dynamic_tree
+    from eagle3_runtime.speculation import dynamic_tree
 
     pair = neuron_pair(tmp_path, tp, num_layers=8)
     return pair.model_copy(update={"speculation": Speculation(
@@ -469,7 +469,7 @@ def test_a_menu_of_shapes_is_one_nxd_key_per_shape_and_each_decodes_like_transfo
     from eagle3_build.compile.cache import CompileCache
     from eagle3_build.recipe import Speculation
     from eagle3_runtime.bundle import Bundle
-    from eagle3_runtime.manifest import chain, dynamic_tree
+    from eagle3_runtime.speculation import chain, dynamic_tree
 
     pair = neuron_pair(tmp_path, 2)
     menu = [chain(1), dynamic_tree(2, 2, 5)]  # (5 nodes: NxD routes by shapes, chain K 3 verifies 4)

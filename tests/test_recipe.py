@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_build.buckets import default_batch_buckets, default_prefill_buckets
+from eagle3_build.default_buckets import default_batch_buckets, default_prefill_buckets
 from eagle3_build.recipe import PairRecipe, RecipeError, RecipeIssue, load_recipe, select_pair
 from eagle3_runtime.buckets import pick_bucket
 

@@ -6,7 +6,7 @@ import pytest
 from test_recipe import assert_issue, line_no, load_err, write
 
 from eagle3_build.recipe import PairRecipe, load_recipe
-from eagle3_runtime.manifest import NO_SPECULATION, SpecShape, chain, dynamic_tree, static_tree
+from eagle3_runtime.speculation import NO_SPECULATION, SpecShape, chain, dynamic_tree, static_tree
 
 # batch buckets [1, 2, 4] (the default for max_num_seqs 4)
 TREE = """\
@@ -384,7 +384,7 @@ per_batch_bucket:
 
 
 def test_a_manifest_is_held_to_the_recipe_s_shape_rules_in_the_same_words():
-    """manifest.tree_problems / choices_problems are the one statement of the shape rules: a recipe reports
+    """speculation.tree_problems / choices_problems are the one statement of the shape rules: a recipe reports
     each at its line, a manifest (or static_tree) refuses with the first, word for word."""
     from pydantic import ValidationError
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from runtime_venv import _env, make_runtime_venv, pip
 
+from eagle3_runtime.torch_internals import NEURON_TORCH
+
 VENV_ENV = "EAGLE3_RUNTIME_VENV"  # a venv `make test` is building (DIR/.installed or DIR/.failed when done)
 BUILDER_DISTS = {"eagle3-build", "transformers", "gguf", "accelerate", "typer", "rich"}
 
@@ -130,3 +132,61 @@ def test_runtime_only_venv_serves_a_built_bundle(runtime_venv, built_bundle):
             serve.wait(30)
         except subprocess.TimeoutExpired:
             serve.kill()
+
+
+# ------------------------------------------------------------------ the runtime on the Neuron SDK's torch
+
+VENV_29_ENV = "EAGLE3_RUNTIME_TORCH29_VENV"  # the venv `make test` builds in the background for these
+
+
+@pytest.fixture(scope="module")
+def runtime_venv_29(tmp_path_factory) -> Path:
+    if os.environ.get(VENV_29_ENV):
+        venv = Path(os.environ[VENV_29_ENV]).resolve()
+        _wait_for(venv, timeout=1800)
+    else:
+        venv = tmp_path_factory.mktemp("runtime-torch29") / "venv"
+        make_runtime_venv(venv, NEURON_TORCH)
+    return venv
+
+
+def _run_29(venv: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([venv / "bin" / "eagle3-run", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, cwd=venv, env=_env(EAGLE3_NUM_THREADS="1"))
+
+
+def test_export_bundle_decodes_like_transformers_on_torch_29(runtime_venv_29, built_bundle):
+    """A bundle the builder made with the dev torch, served by the runtime alone on torch 2.9 (what Neuron hosts
+    run): greedy output equals transformers', no warning printed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    r = subprocess.run([runtime_venv_29 / "bin" / "python", "-c", "import torch; print(torch.__version__)"],
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.stdout.startswith(NEURON_TORCH), r.stdout + r.stderr
+    built = built_bundle()  # the tiny reference pair (speculators, K 3, export)
+    r = _run_29(runtime_venv_29, built.path, "--prompt", "Once upon a time", "--max-tokens", "24", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Warning" not in r.stderr and "W1" not in r.stderr, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    hf = AutoModelForCausalLM.from_pretrained(built.pair / "target", dtype=torch.float32)
+    ids = got["prompt_token_ids"]
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert got["token_ids"] == want and got["spec_decoding"]["num_accepted_tokens"] > 0
+
+
+def test_aoti_bundle_of_another_torch_is_refused_in_one_line(runtime_venv_29, tiny):
+    """Native code is tied to the torch it was compiled against: on torch 2.9 an aoti bundle built with the dev
+    torch is refused before any of its code loads, one line naming both versions and the fix, exit 2."""
+    import torch
+    from test_aoti import AOTI_RECIPE, buildable
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the aoti bundle of tests/test_aoti.py's AVX2 test (an x86 host with AVX2)")
+    bundle = tiny.bundle(k=1, recipe={**AOTI_RECIPE, "backend": "aoti", "backend_options": {  # (built once a session)
+        "cpu_isa": "avx2", **({"pack_weights": "blocked"} if buildable("blocked") else {})}}, jobs=2).path
+    r = _run_29(runtime_venv_29, bundle, "--prompt", "hi", "--max-tokens", "4")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"compiled against torch {torch.__version__}" in lines[0] \
+        and f"this host has {NEURON_TORCH}" in lines[0] and "rebuild" in lines[0], r.stderr

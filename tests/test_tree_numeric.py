@@ -22,8 +22,8 @@ from eagle3_build.models.eagle3 import Eagle3Args, Eagle3Draft
 from eagle3_build.models.gpt_oss import GptOss, GptOssArgs
 from eagle3_build.models.llama import Llama, LlamaArgs
 from eagle3_runtime.backends.host import HostBackend
-from eagle3_runtime.manifest import KV_DIMS
-from eagle3_runtime.manifest import chain, dynamic_tree, static_tree
+from eagle3_runtime.graph_contract import KV_DIMS
+from eagle3_runtime.speculation import chain, dynamic_tree, static_tree
 from eagle3_runtime.tree import Drafting, Tree, accept_greedy
 
 TOL = dict(atol=1e-5, rtol=1e-5)

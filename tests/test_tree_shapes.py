@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from eagle3_build.testing.tiny import TINY_CORPUS, make_tiny_pair
-from eagle3_runtime.manifest import static_tree
+from eagle3_runtime.speculation import static_tree
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "training"))

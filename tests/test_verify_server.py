@@ -118,8 +118,7 @@ pairs:
 
 
 def _vllm(draft: Path, log: Path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from vs_vllm import vllm_env  # (the benchmark's: LD_PRELOAD of the venv's libiomp5, KV space, threads)
+    from benchmarks.vs_vllm import vllm_env  # (the benchmark's: LD_PRELOAD of the venv's libiomp5, KV space, threads)
 
     port = free_port()
     env = vllm_env(VLLM_VENV, 2)
@@ -135,7 +134,7 @@ def _vllm(draft: Path, log: Path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (VLLM_VENV / "bin" / "python").exists() or not (DEMO_TARGET / "config.json").exists(),
-                    reason="needs the vLLM venv (benchmarks/vs_vllm.py --install) and the demo target "
+                    reason="needs the vLLM venv (python -m benchmarks vs-vllm --install) and the demo target "
                            "(eagle3-build fetch-demo-target)")
 @pytest.mark.parametrize("broken", [False, True], ids=["demo-draft", "d2t-removed"])
 def test_vllm_serving_the_demo_pair(tmp_path, broken):

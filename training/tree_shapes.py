@@ -39,7 +39,7 @@ from scale_draft import (answer, first_base, load_answers, load_draft, load_targ
                          served_rounds, ttt_logits)
 from train_eagle3_draft import batches  # noqa: E402
 
-from eagle3_runtime.manifest import static_tree  # noqa: E402
+from eagle3_runtime.speculation import static_tree  # noqa: E402
 
 MISS = 1 << 20  # the rank of a token the draft cannot name
 POOL = REPO / "training" / "data" / "draft-prompts.jsonl.gz"

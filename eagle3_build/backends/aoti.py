@@ -9,14 +9,10 @@ warm cache appends compile commands to the packaged sources; paths enter debug i
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import hashlib
-import json
 import platform
 import re
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -24,21 +20,24 @@ import torch
 import torch.utils._pytree as pytree
 
 from eagle3_runtime.backends.aoti import CPU_ISA_RANK
-from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, GRAPH_FORMATS, dtype_name
+from eagle3_runtime.backends.facts import AotiFacts
+from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, dtype_name
 from eagle3_runtime.packing import BF16, BF16_FORMATS, BLOCKED_DTYPES, PACK_FORMATS, pack_available
 from eagle3_runtime.signature import METADATA_KEY, Signature
 
 from ..errors import UserError
-from ..files import atomic_write, save_through_python
+from ..files import save_through_python
+from ..pair import graph_plan
 from ..recipe import check_backend_options
-from . import gemm, lowerings
-from .lowerings import env, lean_wrapper, lean_wrapper_available, packed_input_lowering
+from .cpu import gemm, inductor_internals as inductor
+from .cpu.inductor_internals import host_vec_isa, warm_up  # noqa: F401  (warm_up: backends/worker.py)
+from .cpu.packed import ProjectionLayouts, plan_rows
 from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
-NAME = "aoti"
+NAME = AotiFacts.name
 SUFFIX = ".pt2"
-JOB_MEMORY_GB = 2.0  # Inductor + g++ per compile job (measured ~1.2 GB peak for a tiny graph)
+JOB_MEMORY_GB = 2.0  # Inductor + g++ per compile job (docs/architecture.md)
 DEVICES = ("cpu", "cuda")
 # backend_options.cpu_isa -> (Inductor's vector width, the x86-64 psABI level g++ compiles for: code any CPU of that
 # level runs, where Inductor's default -march=native may use what only the build host's CPU model has)
@@ -70,16 +69,16 @@ class AotiBackend(PerGraphBackend):
             raise UserError(f"backend_options.pack_weights {self.pack_weights!r}: must be true (the fastest packing "
                             f"per row count, measured on this host), false, one of {', '.join(PACK_FORMATS)}, or "
                             f"{BLOCKED}:BMxBN (Inductor's template with that register blocking, e.g. {BLOCKED}:8x8)")
-        if isinstance(self.pack_weights, str) and not buildable(gemm.form_parts(self.pack_weights)[0]):
+        if isinstance(self.pack_weights, str) and not buildable(gemm.format_parts(self.pack_weights)[0]):
             raise UserError(f"backend_options.pack_weights {self.pack_weights}: this torch cannot make such packed "
                             "weights; use true (the fastest available, measured) or false")
-        if isinstance(self.pack_weights, str) and gemm.form_parts(self.pack_weights)[1] is not None:
+        if isinstance(self.pack_weights, str) and gemm.format_parts(self.pack_weights)[1] is not None:
             with self.codegen():
-                have = lowerings.register_blockings()
-            if gemm.form_parts(self.pack_weights)[1] not in have:
+                have = inductor.register_blockings()
+            if gemm.format_parts(self.pack_weights)[1] not in have:
                 raise UserError(f"backend_options.pack_weights {self.pack_weights}: Inductor has no such float32 "
                                 f"register blocking for {self.target()}; name one of "
-                                f"{', '.join(gemm.variant(BLOCKED, b) for b in have)}, or {BLOCKED} (its own choice)")
+                                f"{', '.join(gemm.blocked_format(BLOCKED, b) for b in have)}, or {BLOCKED} (its own choice)")
         self.draft_bfloat16 = opts.pop("draft_bfloat16", "auto")
         if self.draft_bfloat16 not in ("auto", True, False):
             raise UserError(f"backend_options.draft_bfloat16 {self.draft_bfloat16!r}: must be auto (a candidate GEMM "
@@ -123,9 +122,7 @@ class AotiBackend(PerGraphBackend):
         """Inductor set to compile for the graphs' ISA and psABI level (tuned for this host: -mtune=native)."""
         if self.cpu_isa is None:
             return contextlib.nullcontext()
-        simdlen, level = CPU_ISAS[self.cpu_isa]
-        # (Inductor writes "-march={cpp.march}" into a command line it splits shell-wise)
-        return torch._inductor.config.patch({"cpp.simdlen": simdlen, "cpp.march": f"{level} -mtune=native"})
+        return inductor.compile_for(*CPU_ISAS[self.cpu_isa])
 
     def version(self) -> str:
         return torch.__version__
@@ -140,14 +137,24 @@ class AotiBackend(PerGraphBackend):
         fields = {"name": NAME, "version": self.version(), "target": self.target(),
                   "inductor_configs": self.inductor_configs, "metadata": METADATA_KEY,
                   "collectives": "no locality reorder",  # (compile_exported: graphs built before it raced)
-                  "line_tables": False, **({"input_checks": "none written"} if lean_wrapper_available() else {}),
+                  "line_tables": False, **({"input_checks": "none written"} if inductor.lean_wrapper_available() else {}),
                   **({"march": CPU_ISAS[self.cpu_isa][1]} if self.cpu_isa else {})}
         if not self.pack_weights:
             return fields  # (unpacked: the old keys)
-        kernel = {"blocked_kernel": lowerings.kernel_tag()} if self.device == "cpu" else {}
+        kernel = {"blocked_kernel": inductor.kernel_tag()} if self.device == "cpu" else {}
         return {**fields, "pack_weights": True, **kernel}
 
-    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
+    def projection_layouts(self, bm, cache) -> ProjectionLayouts | None:
+        """Packed weights for the pair's float32 CPU graphs (gemm_choice), over the row counts of the whole plan
+        (every shard of a build gets the same)."""
+        pair = bm.lp.pair
+        record = self.gemm_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]),
+                                  plan_rows(pair, graph_plan(pair)), cache.root,
+                                  gemm.projection_shapes(bm.models["draft"][0]),
+                                  bm.lp.draft.stored_dtype() == torch.bfloat16)
+        return ProjectionLayouts(record, pair, self.codegen) if record else None
+
+    def gemm_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
                     draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:
         """float32 projections of decode-sized graphs on CPU take packed weights (made by the runtime at
         load: eagle3_runtime.packing): per row count the fastest of plain and every format this torch can
@@ -160,12 +167,12 @@ class AotiBackend(PerGraphBackend):
 
         def record(shapes_, bf16):
             if bf16 and self.draft_bfloat16 is True:
-                return gemm.named(self.bf16_formats()[0], rows)
+                return gemm.named_choice(self.bf16_formats()[0], rows)
             if self.pack_weights is True:
                 return gemm.choose(shapes_, rows, exact + (self.bf16_formats() if bf16 else []), cache_dir)
-            return gemm.named(self.pack_weights, rows)
+            return gemm.named_choice(self.pack_weights, rows)
 
-        with self.codegen():  # (blocked forms are compiled for the bundle's ISA, and timed here)
+        with self.codegen():  # (blocked formats are compiled for the bundle's ISA, and timed here)
             out = record(shapes, False)
             if draft_shapes is not None:
                 bf16 = self.draft_bfloat16 is True or (self.draft_bfloat16 == "auto" and draft_bf16)
@@ -173,8 +180,10 @@ class AotiBackend(PerGraphBackend):
         return out
 
     def toolchain(self) -> dict[str, str]:
+        off = sorted(n for n, state in inductor.report()["hooks"].items() if state != "on")
         return {"aoti_device": self.device, "aoti_target": self.target(),
-                **({"aoti_march": CPU_ISAS[self.cpu_isa][1]} if self.cpu_isa else {})}
+                **({"aoti_march": CPU_ISAS[self.cpu_isa][1]} if self.cpu_isa else {}),
+                **({"aoti_torch_hooks_off": ", ".join(off)} if off else {})}  # (inductor_internals)
 
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per worker) before compiling: skip Inductor's per-process CPU ISA
@@ -195,75 +204,24 @@ class AotiBackend(PerGraphBackend):
             # start-up and can hold the interpreter at exit; parallelism comes from our own jobs
             # no -g1 line tables in the wrapper (profilers' aid): its g++ compile takes ~25% less time
             patch = {"compile_threads": 1, "aot_inductor.metadata": {METADATA_KEY: signature(ep).to_json()},
-                     "aot_inductor.enable_line_tables": False}
-            if self.vec_isa_ok:
-                patch["cpp.vec_isa_ok"] = True
-            if any(str(n.target).startswith("_c10d_functional.") for n in ep.graph.nodes):
-                # torch 2.13's post-grad reorder_for_locality can move a kernel that reads a collective's
-                # result above the collective's wait_tensor (seen: a TP-2 verify graph's final norm read its
-                # all-reduce in flight under gloo: logits off by ~10); keep the traced order for TP graphs
-                patch["reorder_for_locality"] = False
-            with env("TORCHINDUCTOR_CACHE_DIR", str(work)), self.codegen(), torch._inductor.config.patch(patch), \
-                    packed_input_lowering(), lean_wrapper():
-                save_through_python(lambda f: torch._inductor.aoti_compile_and_package(
-                    ep, package_path=f, inductor_configs=self.inductor_configs), out)
+                     "aot_inductor.enable_line_tables": False, **(inductor.skip_vec_isa_probe() if self.vec_isa_ok else {}),
+                     **(inductor.tp_graph_configs() if any(str(n.target).startswith("_c10d_functional.")
+                                                          for n in ep.graph.nodes) else {})}
+            with inductor.inductor_cache(work), self.codegen(), inductor.config_patch(patch), \
+                    inductor.packed_input_lowering(), inductor.lean_wrapper():
+                save_through_python(lambda f: inductor.compile_and_package(ep, f, self.inductor_configs), out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         set_serialization_id(out, key)
-        return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__, "device": self.device, "target": self.target()}
+        return {"format": AotiFacts.graph_format, "torch": torch.__version__, "device": self.device, "target": self.target()}
 
 
 def buildable(fmt: str) -> bool:
-    """Whether graphs built here can take `fmt`-packed weights: this torch makes the copies and, for blocked
-    ones, Inductor has a vectorised micro-kernel for this CPU."""
-    return pack_available(fmt) and (fmt not in BLOCKED_FORMATS or lowerings.available(BLOCKED_DTYPES[fmt]))
-
-
-def host_vec_isa(cache_root: Path) -> dict:
-    """Which CPU vector ISAs Inductor may use on this host: {"cpuinfo": [...], "verified": [...]}.
-
-    Inductor proves each ISA that /proc/cpuinfo lists by compiling a test program with its flags and
-    dlopen-ing it from a fresh interpreter — ~19 s on this machine, paid once per process and again for
-    every fresh Inductor cache dir (each compile here has a private one, for reproducibility). The
-    answer depends only on the CPU flags, the C++ compiler and torch, so it is memoised under the
-    compile cache (`host/`), keyed on exactly those. "verified" is Inductor's own checked list; when it
-    equals "cpuinfo", compiles set `cpp.vec_isa_ok` and Inductor picks the same ISA without probing.
-    Not x86: Inductor does not probe (empty lists, nothing changes)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return {"cpuinfo": [], "verified": []}
-    from torch._inductor import cpp_builder, cpu_vec_isa
-
-    flags = sorted(cpu_vec_isa.x86_isa_checker())
-    compiler = cpp_builder.get_cpp_compiler()
-    try:
-        compiler_id = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                     timeout=60).stdout.splitlines()[:1]
-    except (OSError, subprocess.SubprocessError):
-        compiler_id = []
-    ident = json.dumps([torch.__version__, platform.machine(), flags, compiler, compiler_id])
-    path = cache_root / "host" / f"vec-isa-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-    cpuinfo = [str(isa) for isa in candidates]
-    # Inductor's own check per ISA (what valid_vec_isa_list() runs one after another), in parallel:
-    # each is a g++ build of a test program plus a dlopen in a fresh interpreter
-    with tempfile.TemporaryDirectory(prefix="eagle3-isa-") as d, env("TORCHINDUCTOR_CACHE_DIR", d), \
-            torch._inductor.config.patch({"cpp.vec_isa_ok": None}), \
-            concurrent.futures.ThreadPoolExecutor(len(candidates) or 1) as pool:
-        ok = list(pool.map(bool, candidates))
-    verified = [str(isa) for isa, good in zip(candidates, ok) if good]
-    result = {"cpuinfo": cpuinfo, "verified": verified, "compiler": compiler, "torch": torch.__version__}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(result))
-    return result
-
-
-def warm_up() -> None:
-    """What a compile worker imports while the build is still tracing (backends/worker.py serve)."""
-    import torch._inductor.compile_fx  # noqa: F401
+    """Whether graphs built here can take `fmt`-packed weights: this torch makes the copies and Inductor lowers
+    their GEMM (the blocked ones: it has a vectorised micro-kernel for this CPU)."""
+    if fmt in BLOCKED_FORMATS:
+        return pack_available(fmt) and inductor.blocked_available(BLOCKED_DTYPES[fmt])
+    return pack_available(fmt) and inductor.extern_lowering_available()
 
 
 def signature(ep) -> Signature:

@@ -1,48 +1,16 @@
-"""The backend interface (`Backend`) and the SDK preflight.
+"""The backend interface (`Backend`).
 
 A backend owns its whole path from the pair's models to its part of the bundle (`write_graphs`: graph
 files, weight files, their manifest entries): the per-graph backends (per_graph.py: export, aoti) compile
 one torch.export graph per (role, bucket); neuron compiles each model whole (neuron/). `plan` asks the
-backend class what it would build, SDK or not. `preflight` runs before anything heavy (no torch import),
-so a missing SDK fails in well under a second.
+backend class what it would build, SDK or not.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
-
-from eagle3_runtime import neuron_sdk
-from eagle3_runtime.manifest import BACKENDS
-
-from ..errors import UserError
-from .neuron.releases import NEWEST, OLDEST, install_hint
-
-NEURON_SDK = {mod: pip for mod, (_, pip) in neuron_sdk.NEURON_SDK.items()}  # import name -> pip name
-NEURON_INSTALL_HINT = (
-    "install the Neuron SDK from the Neuron pip repository on a trn1/trn2/inf2 or compile host, one release's "
-    f"stack whole: {install_hint(NEWEST)} (an extra per release {OLDEST} to {NEWEST}, "
-    "eagle3_build/backends/neuron/release_table.py; PyPI only has placeholder packages by those names)")
-
-
-def missing_neuron_sdk() -> list[str]:
-    """The SDK packages that are absent, or are PyPI's "WRONG PACKAGE" placeholders (found, but importing
-    them raises); read from the installed metadata, without importing anything."""
-    return neuron_sdk.missing()
-
-
-def preflight(name: str) -> None:
-    if name not in BACKENDS:
-        raise UserError(f"backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    if name == "neuron":
-        missing = missing_neuron_sdk()
-        if missing:
-            raise UserError(
-                f"backend neuron needs the Neuron SDK and {', '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not installed (or only PyPI's placeholder): "
-                f"{NEURON_INSTALL_HINT}. Without the SDK, "
-                "`eagle3-build plan RECIPE --backend neuron` lists every NEFF with its exact compiler command")
+from typing import Any, ClassVar
 
 
 def output_specs(module, example_args: tuple) -> list[tuple[list[int], object]]:
@@ -102,9 +70,10 @@ class Backend(abc.ABC):
         return {}
 
     @classmethod
-    def plan_models(cls, bm, backend: "Backend | None", cache, cc_args) -> list[dict] | None:
-        """Per-model build units, where the backend compiles models whole."""
-        return None
+    def plan_details(cls, bm, backend: "Backend | None", cache, cc_args) -> dict:
+        """The backend's own fields of a pair's plan (its build units, its compiler flags): keys of the plan's
+        JSON beside the generic ones, which describe_plan renders."""
+        return {}
 
     @classmethod
     def describe_plan(cls, plan: dict) -> list[str]:
@@ -130,11 +99,10 @@ class Backend(abc.ABC):
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per compile worker) before the first compile."""
 
-    def pack_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
-                    draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:
-        """Which eagle3_runtime.packing format decode-sized projections take their weights in, per token row
-        count (a backends/gemm.py `choose` record for the target's `shapes`, the draft's under "draft";
-        `draft_bf16`: the draft checkpoint stores bfloat16); None: plain weights only."""
+    def projection_layouts(self, bm, cache) -> Any:
+        """How the pair's projection weights are laid out in this backend's graphs: an object with `record` (the
+        build record's "gemm") and `for_graph(spec)` -> a graph's layout (key_fields(), recorder(), plan(...):
+        backends/cpu/packed.py); None: the weights as they are."""
         return None
 
     def output_specs(self, module, example_args: tuple) -> list[tuple[list[int], object]]:

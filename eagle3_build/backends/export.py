@@ -7,21 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from eagle3_runtime.manifest import GRAPH_FORMATS
+from eagle3_runtime.backends.facts import ExportFacts
 
 from ..files import save_through_python
 from ..recipe import check_backend_options
 from .per_graph import PerGraphBackend
 from .pt2 import set_serialization_id
 
-NAME = "export"
+NAME = ExportFacts.name
 
 
 def compile_exported(ep, out: Path, key: str, role: str) -> dict:
     ep.example_inputs = None  # would embed the (weight-sized) example inputs in the file
     save_through_python(lambda f: torch.export.save(ep, f), out)
     set_serialization_id(out, key)
-    return {"format": GRAPH_FORMATS[NAME], "torch": torch.__version__}
+    return {"format": ExportFacts.graph_format, "torch": torch.__version__}
 
 
 class ExportBackend(PerGraphBackend):

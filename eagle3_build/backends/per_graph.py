@@ -6,7 +6,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import functools
 import shutil
 import time
 from dataclasses import dataclass
@@ -14,9 +13,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.manifest import (BLOCKED_FORMATS, FUSED_FORMATS, GraphEntry, ModelEntry, PackedWeight, TensorSpec,
-                                     dtype_name, file_entry, torch_dtype)
-from eagle3_runtime.packing import BLOCKED_DTYPES, pack_weight
+from eagle3_runtime.manifest import GraphEntry, ModelEntry, PackedWeight, TensorSpec, dtype_name, file_entry, torch_dtype
 
 from ..compile.cache import FETCH_TRIES, CompileCache, graph_key, trace_key, vanishing
 from ..compile.scheduler import (CompileFailed, GraphJob, GraphResult, Scheduler, default_jobs, split_shard,
@@ -26,7 +23,6 @@ from ..graphs import GraphSpec, build_graph_module, step_inputs
 from ..pair import BuildModels, Report, build_models, contract_outputs, graph_plan, load_pair, model_entry
 from ..recipe import PairRecipe
 from ..sharding import tensor_plan, write_rank_files
-from . import gemm, lowerings
 from .base import Backend, Written
 
 
@@ -40,40 +36,11 @@ class TracedGraph:
     packed: list[PackedWeight] = dataclasses.field(default_factory=list)
 
 
-@functools.lru_cache(maxsize=None)
-def _packed_meta(shape: tuple[int, ...], rows: int, fmt: str, block_n: int | None) -> tuple[tuple[int, ...], torch.dtype]:
-    p = pack_weight(torch.empty(shape), rows, fmt, block_n)
-    return tuple(p.shape), p.dtype
-
-
-def packed_example(shape: tuple[int, ...], rows: int, fmt: str, block_n: int | None = None) -> torch.Tensor:
-    """A stand-in of a packed copy: the shape and dtype the runtime's pack_weight makes on this host."""
-    shape_, dtype = _packed_meta(shape, rows, fmt, block_n)
-    return torch.empty(shape_, dtype=dtype)
-
-
-def pack_record(bm: BuildModels, backend, cache: CompileCache) -> dict | None:
-    """The backend's packing choice per token row count for this pair (backends/gemm.py), over the row
-    counts of the whole plan (every shard of a build gets the same), measured once per host."""
-    pair = bm.lp.pair
-    rows = set().union(*(graph_rows(pair, s) for s in graph_plan(pair)))
-    return backend.pack_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]), sorted(rows), cache.root,
-                               draft_shapes=gemm.projection_shapes(bm.models["draft"][0]),
-                               draft_bf16=bm.lp.draft.stored_dtype() == torch.bfloat16)
-
-
-def graph_rows(pair: PairRecipe, spec: GraphSpec) -> set[int]:
-    """The token row counts a graph's projections may use: its tokens per call, and 1 or a batch bucket up
-    to that (the rows that leave a graph for the lm_head); its key names the GEMM choice of these only."""
-    n = spec.tokens_per_call()
-    return {n} | {r for r in (1, *pair.buckets.batch) if r <= n}
-
-
-def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | None,
-                 specs: list[GraphSpec] | None = None):
+def trace_graphs(bm: BuildModels, backend, cache: CompileCache, layouts, specs: list[GraphSpec] | None = None):
     """Key every graph; yields TracedGraph in plan order. A graph is torch.export-ed (weights as inputs,
     empty stand-ins: no memory touched) unless the trace memo already maps its trace inputs to a
-    cached compile. `record`: pack_record's. With tp > 1 collectives trace against a fake process group."""
+    cached compile. `layouts`: the backend's projection_layouts. With tp > 1 collectives trace against a fake
+    process group."""
     pair = bm.lp.pair
     dtype = torch_dtype(pair.dtype)
     t_layout, d_layout = bm.models["target"][2], bm.models["draft"][2]
@@ -82,15 +49,10 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
               "models": {n: {"args": dataclasses.asdict(c.args), "layout": lay.to_dict(), "class": type(m).__name__}
                          for n, (m, c, lay) in bm.models.items()},
               "aux": list(bm.lp.draft.args.aux_layer_ids)}
-    packs = {"target": gemm.choices(record), "draft": gemm.choices((record or {}).get("draft"))}  # rows -> format
-    threads = (record or {}).get("threads", 1)  # (what the measured GEMMs ran on; blocked ones are generated for it)
     for spec in (specs if specs is not None else graph_plan(pair)):
-        model, rows = bm.models[spec.model][0], graph_rows(pair, spec)
-        pack = {r: f for r, f in packs[spec.model].items() if r in rows}
-        fields = {**backend.key_fields(spec.role), **({"gemm": {str(r): f for r, f in pack.items()}} if pack else {}),
-                  **({"gemm_threads": threads} if set(BLOCKED_FORMATS) & {gemm.form_parts(f)[0] for f in pack.values()}
-                     else {})}
-        module, pnames = build_graph_module(spec, model)
+        layout = layouts.for_graph(spec) if layouts is not None else None
+        fields = {**backend.key_fields(spec.role), **(layout.key_fields() if layout else {})}
+        module, pnames = build_graph_module(spec, bm.models[spec.model][0])
         qnames = [bm.bindings[spec.model][n] for n in pnames]
         ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
                           dtype=dtype)
@@ -109,28 +71,16 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
         weights = tuple(torch.empty(bm.weight_shapes[q][0], dtype=bm.weight_shapes[q][1]) for q in qnames)
         kv = torch.zeros(bm.state[spec.model].shape, dtype=dtype)
         example = tuple(torch.zeros(shape, dtype=dt_) for _, shape, dt_ in ins)
-        module.packable = [] if pack else None
+        if layout:  # (a first call finds which projections the layout serves)
+            module.method = recorder = layout.recorder()
         traced = [[s, dtype_name(x)] for s, x in backend.output_specs(module, (weights, kv, *example))]
         if traced != [[o.shape, o.dtype] for o in outputs]:  # the role module strayed from manifest.ROLES
             raise RuntimeError(f"graph {spec.name} returns {traced}, the contract table says "
                                f"{[[o.shape, o.dtype] for o in outputs]}")
-        if pack and not {r for _, r in module.packable} <= rows:  # (the key would not name a choice it uses)
-            raise RuntimeError(f"graph {spec.name} projects {sorted({r for _, r in module.packable})} token rows, "
-                               f"graph_rows says {sorted(rows)}")
         packed = []
-        if pack:  # the projections that packing serves take their packed copy as an extra input
-            forms = {r: gemm.form_parts(f) for r, f in pack.items()}  # rows -> (format, register blocking)
-            module.packed = [(group, rows, forms[rows][0]) for idx, rows in module.packable if rows in pack
-                             for group in ([idx] if forms[rows][0] in FUSED_FORMATS else [(i,) for i in idx])]
-            module.packable, module.gemm_threads = None, threads
-            shapes = [(sum(weights[i].shape[0] for i in idx), weights[idx[0]].shape[1]) for idx, _, _ in module.packed]
-            with backend.codegen():  # (the micro-kernel of the ISA the graph is compiled for)
-                blocks = [lowerings.block_n(rows, *shape, threads, forms[rows][1], BLOCKED_DTYPES[fmt])
-                          if fmt in BLOCKED_FORMATS else None for shape, (_, rows, fmt) in zip(shapes, module.packed)]
-            weights += tuple(packed_example(shape, rows, fmt, bn)
-                             for shape, (_, rows, fmt), bn in zip(shapes, module.packed, blocks))
-            packed = [PackedWeight(weight=qnames[idx[0]], fused=[qnames[i] for i in idx[1:]], rows=rows, format=fmt,
-                                   block_n=bn) for (idx, rows, fmt), bn in zip(module.packed, blocks)]
+        if layout:  # the projections a layout serves take their copy as an extra input
+            module.method, copies, packed = layout.plan(recorder, module.weight_names, qnames, weights, spec.name)
+            weights += copies
         ep = torch.export.export(module, (weights, kv, *example), strict=False)
         key = graph_key(ep, fields)
         cache.put_trace(tkey, {"key": key, "outputs": [o.model_dump() for o in outputs],
@@ -139,12 +89,12 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | N
         yield TracedGraph(spec, job, qnames, inputs, outputs, packed)
 
 
-def compile_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | None, jobs: int | None,
+def compile_graphs(bm: BuildModels, backend, cache: CompileCache, layouts, jobs: int | None,
                    report: Report, specs: list[GraphSpec] | None = None, require_cached: bool = False
                    ) -> tuple[list[TracedGraph], list[GraphResult]]:
     """Trace, key and compile (or fetch from the cache) every graph; raises CompileFailed at the end
-    if any failed (the others are compiled and cached regardless). `record`: pack_record's, made before the
-    compile workers start sharing the CPU."""
+    if any failed (the others are compiled and cached regardless). `layouts`: the backend's projection_layouts,
+    made before the compile workers start sharing the CPU."""
     pair = bm.lp.pair
     specs = specs if specs is not None else graph_plan(pair)
     n_jobs = jobs or default_jobs(backend, len(specs))
@@ -154,7 +104,7 @@ def compile_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict |
     traced = []
     with tracing_process_group(pair.parallel.tp_degree):
         try:
-            for tg in trace_graphs(bm, backend, cache, record, specs):
+            for tg in trace_graphs(bm, backend, cache, layouts, specs):
                 traced.append(tg)
                 sched.submit(tg.job)
         except BaseException:
@@ -176,14 +126,14 @@ def shard_specs(pair: PairRecipe, backend, index: int, count: int) -> list[Graph
     return [s for s in specs if s.name in mine]
 
 
-def fetch_graphs(bm: BuildModels, backend, cache: CompileCache, record: dict | None, jobs: int | None,
+def fetch_graphs(bm: BuildModels, backend, cache: CompileCache, layouts, jobs: int | None,
                  report: Report, require_cached: bool, into: Path) -> list[tuple[TracedGraph, GraphResult]]:
     """Compile or fetch every graph (`compile_graphs`) and copy its cache entry's files into `into`. An entry
     that a concurrent `cache prune` / `clear` removed before its copy is a miss: compiled again."""
     done: dict[str, tuple[TracedGraph, GraphResult]] = {}
     specs = None
     for _ in range(FETCH_TRIES):
-        traced, results = compile_graphs(bm, backend, cache, record, jobs, report, specs, require_cached=require_cached)
+        traced, results = compile_graphs(bm, backend, cache, layouts, jobs, report, specs, require_cached=require_cached)
         specs = []
         for tg, res in zip(traced, results):
             try:
@@ -224,22 +174,23 @@ class PerGraphBackend(Backend):
         bm = build_models(load_pair(pair))
         specs = shard_specs(pair, self, index, count)
         report({"event": "shard", "index": index, "count": count, "graphs": [s.name for s in specs]})
-        return compile_graphs(bm, self, cache, pack_record(bm, self, cache), jobs, report, specs)[1]
+        return compile_graphs(bm, self, cache, self.projection_layouts(bm, cache), jobs, report, specs)[1]
 
     @classmethod
     def plan_keys(cls, bm: BuildModels, backend: Backend | None, cache: CompileCache) -> dict[str, str]:
         if backend is None:
             return {}
         with tracing_process_group(bm.lp.pair.parallel.tp_degree):
-            return {tg.spec.name: tg.job.key for tg in trace_graphs(bm, backend, cache, pack_record(bm, backend, cache))}
+            layouts = backend.projection_layouts(bm, cache)
+            return {tg.spec.name: tg.job.key for tg in trace_graphs(bm, backend, cache, layouts)}
 
 
 def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs: int | None, report: Report,
                  require_cached: bool) -> Written:
     """One graph file per (role, bucket) under root/graphs, then one weight file per rank and model."""
     t0 = time.perf_counter()
-    record = pack_record(bm, backend, cache)
-    fetched = fetch_graphs(bm, backend, cache, record, jobs, report, require_cached, root / "graphs")
+    layouts = backend.projection_layouts(bm, cache)
+    fetched = fetch_graphs(bm, backend, cache, layouts, jobs, report, require_cached, root / "graphs")
     graph_entries, extra_files = [], []
     for tg, res in fetched:
         info = dict(res.entry.meta["info"])
@@ -276,4 +227,4 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
     counts = {st: sum(r.status == st for r in results) for st in ("compiled", "cached")}
     timings = {r.job.name: {"status": r.status, "seconds": round(r.seconds, 2)} for r in results}
     build = {**counts, "seconds": round(time.perf_counter() - t0, 2), "graphs": timings}
-    return Written(graph_entries, model_entries, extra_files, {**build, "gemm": record} if record else build)
+    return Written(graph_entries, model_entries, extra_files, {**build, "gemm": layouts.record} if layouts else build)

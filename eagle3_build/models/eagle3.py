@@ -99,7 +99,7 @@ class Eagle3Draft(nn.Module):
     def propose(self, out: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k most likely next tokens (target vocab ids, best first) and their log-probs
         (float32), [.., k] each, from the layer output."""
-        logits = vocab_parallel_logits(self.norm(out), self.lm_head.weight, self.args.draft_vocab_size, self.comm)
+        logits = vocab_parallel_logits(self.norm(out), self.lm_head, self.args.draft_vocab_size, self.comm)
         logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         if not self.args.has_d2t:
             return idx, logp

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .layout import Layout
-from .linear import Linear, linear, linears
+from .linear import Linear, project
 
 
 @dataclass(frozen=True)
@@ -211,10 +211,11 @@ class VocabEmbedding(nn.Module):
         return self.comm.all_reduce(e)
 
 
-def vocab_parallel_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, comm: Comm) -> torch.Tensor:
-    """Local logits over this rank's vocab rows, gathered in rank order; the zero-padded rows of short
-    trailing ranks land past `vocab` and are cut off, so they can never be chosen."""
-    logits = comm.gather_last(linear(h, weight).float())
+def vocab_parallel_logits(h: torch.Tensor, head: nn.Module, vocab: int, comm: Comm) -> torch.Tensor:
+    """Local logits over this rank's vocab rows (`head`: the module whose weight projects to them), gathered in
+    rank order; the zero-padded rows of short trailing ranks land past `vocab` and are cut off, so they can never
+    be chosen."""
+    logits = comm.gather_last(project(h, head)[0].float())
     return logits[..., :vocab] if logits.shape[-1] != vocab else logits
 
 
@@ -276,7 +277,7 @@ class Where:
 def where(cache: KVCache, rows, positions, prefill: bool, slots=None, start=None, tree_mask=None,
           context: int | None = None) -> Where:
     """Causal over positions (slots = positions), or a tree: slots < start committed, slot start + j seen
-    where tree_mask[.., j] (manifest.ROLES); over the first `context` KV slots (None: all)."""
+    where tree_mask[.., j] (graph_contract.ROLES); over the first `context` KV slots (None: all)."""
     slots = positions if slots is None else slots
     if prefill:
         return Where(rows, slots, positions, None, True)
@@ -318,7 +319,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, at: Where):
         b, T, _ = x.shape
-        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -336,7 +337,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        gate, up = linears(x, self.gate_proj, self.up_proj)
+        gate, up = project(x, self.gate_proj, self.up_proj)
         return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
@@ -376,8 +377,8 @@ class DecoderStack(nn.Module):
         return [a.num_layers, 2, max_num_seqs, L.kv_heads_per_rank, max_model_len, a.head_dim]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return vocab_parallel_logits(self.norm(h), w, self.args.vocab_size, self.comm)
+        head = self.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        return vocab_parallel_logits(self.norm(h), head, self.args.vocab_size, self.comm)
 
     def forward(self, tokens, positions, cache: KVCache | torch.Tensor, rows, prefill: bool, rank: torch.Tensor,
                 slots=None, start=None, tree_mask=None, context: int | None = None):

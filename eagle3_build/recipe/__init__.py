@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from eagle3_runtime.manifest import min_max_model_len
+from eagle3_runtime.graph_contract import min_max_model_len
 
 from .schema import (PairRecipe, Recipe, RecipeError, RecipeIssue, SourceSpec, Speculation, Serving,
     Parallel, Buckets, VerifySettings, VERIFY_DEFAULTS, RawPair, KeyLines, MAX_COUNT, MAX_PROMPTS, describe_value,

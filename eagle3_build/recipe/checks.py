@@ -9,18 +9,16 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from eagle3_runtime.manifest import (BACKENDS, MAX_DEPTH, MAX_MENU, MAX_NODES, NO_SPECULATION, SpecShape, all_shapes,
-                                     chain, choices_problems, dynamic_tree, min_max_model_len, static_tree,
-                                     tree_problems)
+from eagle3_runtime.backends.facts import BACKENDS, DEFAULT_BACKEND, backend_facts
+from eagle3_runtime.graph_contract import min_max_model_len
+from eagle3_runtime.speculation import (MAX_DEPTH, MAX_MENU, MAX_NODES, NO_SPECULATION, SpecShape, all_shapes, chain,
+                                        choices_problems, dynamic_tree, static_tree, tree_problems)
 
-from ..buckets import default_batch_buckets
+from ..default_buckets import default_batch_buckets
 from ..errors import UserError
 from .schema import (PairRecipe, RawPair, RawSource, RawSpecSection, RawSpeculation, SourceSpec, Speculation,
                      describe_value, get_path, is_int, issue_at, pos_int, pydantic_message)
 
-# the backend_options each backend understands (checked here with the recipe line, and by get_backend)
-BACKEND_OPTIONS = {"export": (), "aoti": ("device", "inductor_configs", "pack_weights", "draft_bfloat16", "cpu_isa"),
-                   "neuron": ("compiler_args", "role_compiler_args", "fold_env_flags", "job_memory_gb")}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 HF_RE = re.compile(r"hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:@([^\s@]+))?\Z")
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -198,7 +196,7 @@ def _batch_buckets(merged: dict) -> tuple[list[int], str] | None:
 
 def _choices_shape(choices: Any, rel: tuple, add: Callable[..., None]) -> SpecShape | None:
     """The static tree of ``choices`` (TensorRT-LLM eagle_choices), each bad path reported at its item
-    (manifest.choices_problems: the rules the runtime holds a manifest to)."""
+    (speculation.choices_problems: the rules the runtime holds a manifest to)."""
     if not isinstance(choices, list) or not all(
             isinstance(c, list) and all(is_int(r) and 0 <= r < MAX_NODES for r in c) for c in choices):
         return None  # the schema reports it
@@ -385,8 +383,9 @@ def _raw_shape(sec: RawSpeculation | RawSpecSection) -> SpecShape:
 
 
 def unknown_option_message(name: str, key) -> str | None:
-    """Why `key` is not a backend_options key of backend `name` (None if it is one)."""
-    accepted = BACKEND_OPTIONS[name]
+    """Why `key` is not a backend_options key of backend `name` (None if it is one); checked here with the
+    recipe line, and by get_backend."""
+    accepted = backend_facts(name).options
     if key in accepted:
         return None
     takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
@@ -431,7 +430,7 @@ def check_backend_options(name: str, options: dict | None) -> None:
 
 
 def check_pair_backend_options(merged: dict, add: Callable[..., None]) -> None:
-    backend, options = merged.get("backend", "export"), merged.get("backend_options")
+    backend, options = merged.get("backend", DEFAULT_BACKEND), merged.get("backend_options")
     if backend in BACKENDS and isinstance(options, dict):
         for key in options:
             message = unknown_option_message(backend, key)

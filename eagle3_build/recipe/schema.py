@@ -12,9 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from eagle3_runtime.manifest import BACKENDS, MAX_DIM, MAX_NODES, MODEL_DTYPES, SpecShape, all_shapes
+from eagle3_runtime.backends.facts import BACKENDS, DEFAULT_BACKEND
+from eagle3_runtime.manifest import MAX_DIM, MODEL_DTYPES
+from eagle3_runtime.speculation import MAX_NODES, SpecShape, all_shapes
 
-from ..buckets import default_batch_buckets, default_prefill_buckets
+from ..default_buckets import default_batch_buckets, default_prefill_buckets
 from ..errors import UserError
 
 
@@ -82,7 +84,7 @@ class SourceSpec(_Frozen):
 
 class Speculation(_Frozen):
     num_speculative_tokens: int  # the deepest shape's depth (menus too)
-    shapes: dict[int, SpecShape]  # per batch bucket (manifest.SpecShape)
+    shapes: dict[int, SpecShape]  # per batch bucket (speculation.SpecShape)
     menu: dict[int, list[SpecShape]] = {}  # per speculating batch bucket: more shapes (manifest.Manifest.menu)
 
     def scratch(self) -> int:
@@ -112,7 +114,7 @@ class Parallel(_Section):
 
 
 class Buckets(_Section):
-    # defaults (buckets.py, filled in by RawPair): doublings up to the serving limits
+    # defaults (default_buckets.py, filled in by RawPair): doublings up to the serving limits
     prefill: list[int] = Field(max_length=MAX_BUCKETS)
     batch: list[int] = Field(max_length=MAX_BUCKETS)
     # KV slots the decode loop's target graphs also read only (NxDI's token-generation buckets): per entry c,
@@ -202,7 +204,7 @@ class RawPair(Raw):
     serving: Serving
     parallel: Parallel = Parallel()
     buckets: Buckets
-    backend: Literal[BACKENDS] = "export"  # type: ignore[valid-type]
+    backend: Literal[BACKENDS] = DEFAULT_BACKEND  # type: ignore[valid-type]
     backend_options: dict[str, Any] = Field(default_factory=dict)
     verify: VerifySettings = VerifySettings()
 

@@ -24,10 +24,9 @@ from pathlib import Path
 
 from eagle3_runtime.tp import set_threads
 
-from ..errors import UserError
+from ..errors import UserError, VerifyError
 from .compare import NEAR_TIE_REL, PromptResult, near_tie_tolerance
 from .diagnose import CAUSES, Diagnosis, diagnose_draft
-from .errors import VerifyError
 from .prompts import BUILTIN_PROMPTS, load_prompts
 from .reference import load_reference
 from .report import VerifyReport, render_report

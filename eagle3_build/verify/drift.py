@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import VerifyError
 from ..files import atomic_write
-from .errors import VerifyError
 
 STAMP = "eagle3_build_target"
 TOLERANCE = 0.05  # relative acceptance change reported as noise, not drift

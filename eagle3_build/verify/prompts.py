@@ -9,7 +9,7 @@ from eagle3_runtime.chat import ChatTemplate
 from eagle3_runtime.engine import RequestError, check_request
 from eagle3_runtime.tokenizer import BundleTokenizer
 
-from .errors import VerifyError
+from ..errors import VerifyError
 
 # A fixed, varied prompt set: prose, instructions, questions, code, lists, numbers. The first few are
 # the most varied, since verify takes the first num_prompts. Short enough for a 64-token prefill bucket.

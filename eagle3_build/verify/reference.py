@@ -10,9 +10,8 @@ import torch
 from eagle3_runtime.manifest import Manifest, torch_dtype
 
 from ..checkpoints.sources import resolve
-from ..errors import UserError
+from ..errors import UserError, VerifyError
 from ..recipe import SourceSpec
-from .errors import VerifyError
 
 
 @dataclass(frozen=True)

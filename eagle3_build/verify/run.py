@@ -11,15 +11,16 @@ from pydantic import ValidationError
 
 from eagle3_runtime.bundle import Bundle, BundleError
 from eagle3_runtime.engine import Engine, SpecStats
-from eagle3_runtime.manifest import MANIFEST, Manifest, SpecShape
+from eagle3_runtime.manifest import MANIFEST, Manifest
+from eagle3_runtime.speculation import SpecShape
 from eagle3_runtime.reader import read_manifest
 
+from ..errors import VerifyError
 from ..files import atomic_write
 from ..recipe import VerifySettings
 from . import drift
 from .compare import NEAR_TIE_REL, PromptResult, check_continuation, coarser, compare
 from .diagnose import diagnose_draft
-from .errors import VerifyError
 from .prompts import admit_prompts, encode_prompts, select_prompts
 from .reference import Reference, load_reference, reference_greedy, target_location
 from .report import MenuResult, VerifyReport
@@ -227,7 +228,7 @@ def skip_reason(manifest: Manifest) -> str | None:
     if manifest.tp_degree != 1:
         return (f"the bundle is TP {manifest.tp_degree}; verify runs TP-1 bundles in one process (build a "
                 "tp_degree 1 variant of the pair to verify the checkpoints, or run eagle3-run under torchrun)")
-    from eagle3_runtime.backends import backend_class
+    from eagle3_runtime.backends.registry import backend_class
 
     refused = [c.detail for c in backend_class(manifest.backend).host_checks(manifest, os.environ) if not c.ok]
     if refused:

@@ -19,11 +19,10 @@ from eagle3_runtime.metrics import SpecStats
 from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, stats_between
 
 from ..checkpoints.load import eos_token_ids
-from ..errors import UserError
+from ..errors import UserError, VerifyError
 from ..recipe import PairRecipe, load_recipe
 from .compare import check_continuation, coarser, compare
 from .diagnose import Diagnosis, DraftUnderTest, diagnose_draft, floats
-from .errors import VerifyError
 from .prompts import select_prompts
 from .reference import Reference, TargetLocation, load_reference, reference_greedy
 from .report import VerifyReport
@@ -231,7 +230,7 @@ def checkpoint_draft(p: PairRecipe, model) -> DraftUnderTest | list[Diagnosis]:
     """The recipe's draft directory as the diagnosis reads it, or what the builder's pair check finds wrong
     with it (a missing d2t, shapes that do not fit the target: a certain cause, nothing more to run)."""
     from ..checkpoints.load import load_draft, load_target
-    from ..checkpoints.pair import check_pair
+    from ..checkpoints.pair_checks import check_pair
     from ..checkpoints.sources import resolve
 
     try:

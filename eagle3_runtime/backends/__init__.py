@@ -1,21 +1,3 @@
 """The runtime side of each backend, one class per backend (base.py says what each provides), chosen
-once per bundle from `manifest.backend`; nothing else in the runtime names a backend."""
-from __future__ import annotations
-
-import importlib
-
-from ..manifest import BundleError
-from .base import RuntimeBackend
-
-# backend name -> (module, class); a module is imported only when a bundle of its backend is read
-CLASSES = {"export": ("export", "ExportBackend"), "aoti": ("aoti", "AotiBackend"),
-           "neuron": ("neuron", "NeuronBackend")}
-SERVABLE = tuple(CLASSES)
-
-
-def backend_class(name: str) -> type[RuntimeBackend]:
-    """The runtime backend for a manifest's `backend` (BundleError naming the ones this runtime serves)."""
-    if name not in CLASSES:
-        raise BundleError(f"backend {name!r} cannot be served by this runtime (available: {', '.join(SERVABLE)})")
-    module, cls = CLASSES[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+once per bundle from `manifest.backend` (registry.py); facts.py says what each backend is without torch.
+Nothing else in the runtime names a backend."""

@@ -2,21 +2,23 @@
 weights passed as inputs on every call (nothing copied), some packed at load for the host's GEMMs."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from ..manifest import BundleError, GraphEntry, Manifest
-from ..packing import BF16, describe_choice, onednn_bf16_available
+from ..packing import BF16, ELEMENT_BYTES, copy_key, describe_choice
 from ..signature import Signature, aoti_signature, read_zip_signature
+from ..torch_internals import load_aoti_package, onednn_bf16_available
 from .base import BACKEND, DEVICE, Check, GraphFn
+from .facts import AotiFacts
 from .host import HostBackend
 
 CPU_ISA_RANK = {"DEFAULT": 0, "VSX": 1, "ZVECTOR": 1, "SVE256": 1, "AVX2": 1, "AVX512": 2}
 
 
-class AotiBackend(HostBackend):
-    name = "aoti"
+class AotiBackend(AotiFacts, HostBackend):
     native_code = True
     graph_kind = "an AOTInductor package (a wrapper .so with its metadata)"
 
@@ -55,6 +57,21 @@ class AotiBackend(HostBackend):
         return out
 
     @classmethod
+    def describe_bundle(cls, m: Manifest) -> list[str]:
+        """The weight copies packed at load (memory on top of the weights) and the GEMM choice they follow."""
+        out = []
+        copies = {copy_key(p): p for g in m.graphs for p in g.packed}
+        if copies:
+            mb = sum(math.prod(m.models[w.split("/")[0]].tensors[w.split("/", 1)[1]].shape) * ELEMENT_BYTES[p.format]
+                     for p in copies.values() for w in (p.weight, *p.fused)) / 1e6
+            rows = sorted({p.rows for g in m.graphs for p in g.packed})
+            out.append(f"packed at load: {len(copies)} weight copies "
+                       f"({', '.join(sorted({p.format for p in copies.values()}))}) for token rows {rows}, "
+                       f"~{mb:.0f} MB per rank")
+        gemm = describe_choice(m.build.get("gemm"))
+        return out + ([gemm] if gemm else [])
+
+    @classmethod
     def read_signature(cls, path: Path) -> Signature | None:
         return read_zip_signature(path, aoti_signature, cls.name, cls.graph_kind)
 
@@ -65,10 +82,4 @@ class AotiBackend(HostBackend):
         super().__init__(root, m, rank)
 
     def load_graph(self, path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
-        """The low-level loader skips aoti_load_package's first-call CPU checks (~17 s measured)."""
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-
-        def run(ws, kv, *inputs):
-            return tuple(loader.boxed_run([*ws, kv, *inputs]))
-
-        return run
+        return load_aoti_package(str(path))

@@ -17,8 +17,10 @@ from typing import Callable, ClassVar
 import torch
 
 from ..errors import Eagle3Error
-from ..manifest import BATCH_ROLES, DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
+from ..graph_contract import BATCH_ROLES
+from ..manifest import DTYPE_NAMES, BundleError, GraphEntry, Manifest, torch_dtype
 from ..signature import Signature
+from .facts import BackendFacts
 
 GraphFn = Callable[..., tuple]
 DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}  # (a view of manifest.DTYPE_TABLE)
@@ -63,7 +65,7 @@ class Graph:
 
 def call_by_name(graph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Call a graph (a Graph, or anything with its `entry` and call) with its inputs by name and get
-    its outputs by name: the names of its manifest entry (manifest.ROLES), in whatever order it lists them."""
+    its outputs by name: the names of its manifest entry (graph_contract.ROLES), in whatever order it lists them."""
     order = [s.name for s in graph.entry.inputs[1:]]  # [0] is the rank
     if set(inputs) != set(order):
         raise ValueError(f"{graph.entry.name}: called with inputs {sorted(inputs)}, the graph takes {order}")
@@ -130,7 +132,7 @@ class GraphRunner:
         """Call every graph once on zeros (what NxDI and vLLM do before serving) and record each first
         call's time on this host in `timings`: a graph that cannot run here fails now, as one BundleError
         naming it, instead of in the middle of a request, and the first, slow call of each bucket is paid
-        before the first request. Then the decode loop's whole-cache graphs (manifest.BATCH_ROLES) run in up to
+        before the first request. Then the decode loop's whole-cache graphs (graph_contract.BATCH_ROLES) run in up to
         `repeats` interleaved passes, one at least and then as many as fit in `budget_s`: their median is `costs`,
         what a step costs on this host (adaptive.py chooses the speculation shape from it; a context bucket's
         graphs cost less in about the same ratio for every shape). The KV caches' contents do not matter (a
@@ -166,11 +168,10 @@ class GraphRunner:
         return self.timings
 
 
-class RuntimeBackend(GraphRunner):
-    """One backend's whole runtime side. Class-level facts and checks need nothing loaded (`check`);
-    an instance is one process's loaded share of a bundle."""
+class RuntimeBackend(GraphRunner, BackendFacts):
+    """One backend's whole runtime side: its facts (facts.py), class-level checks that need nothing loaded
+    (`check`); an instance is one process's loaded share of a bundle."""
 
-    name: ClassVar[str]
     spmd: ClassVar[bool] = False  # one process drives every rank (else: one process per rank, torchrun)
     state_on_host: ClassVar[bool] = True  # the KV caches are host tensors (counted against host memory)
     graph_kind: ClassVar[str] = ""  # what its graph files are, for messages
@@ -205,6 +206,11 @@ class RuntimeBackend(GraphRunner):
     def ranks_held(cls, rank: int) -> int | None:
         """The rank whose weight files this process reads (None: every rank's, SPMD)."""
         return None if cls.spmd else rank
+
+    @classmethod
+    def describe_bundle(cls, m: Manifest) -> list[str]:
+        """Lines `eagle3-build inspect` adds after the graph table (what this backend makes at load)."""
+        return []
 
     @classmethod
     def describe_model(cls, m: Manifest, model: str) -> list[str]:

@@ -2,53 +2,20 @@
 torch's interpreter on any host torch runs on."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import types
-import typing
 from pathlib import Path
 
 import torch
 
 from ..manifest import BundleError, GraphEntry, Manifest
 from ..signature import Signature, read_zip_signature, export_signature
+from ..torch_internals import fast_export_load
 from .base import Check, GraphFn
+from .facts import ExportFacts
 from .host import HostBackend
 
 
-@contextlib.contextmanager
-def _cached_type_hints():
-    """torch.export's deserializer calls typing.get_type_hints once per JSON object (~15k per
-    graph), which dominates load time; the hints of its schema classes never change, so memoise them
-    for the duration of our load (measured: 4 graphs 5.3 s -> 2.0 s). No-op if torch's internals differ."""
-    try:
-        import torch._export.serde.serialize as ser
-    except ImportError:
-        yield
-        return
-    real = getattr(ser, "typing", None)
-    if real is not typing:
-        yield
-        return
-    cache: dict = {}
-
-    def get_type_hints(cls, globalns=None):
-        hints = cache.get(cls)
-        if hints is None:
-            hints = cache[cls] = typing.get_type_hints(cls, globalns=globalns)
-        return hints
-
-    shim = types.SimpleNamespace(**{k: getattr(typing, k) for k in dir(typing) if not k.startswith("__")})
-    shim.get_type_hints = get_type_hints
-    ser.typing = shim
-    try:
-        yield
-    finally:
-        ser.typing = real
-
-
-class ExportBackend(HostBackend):
-    name = "export"
+class ExportBackend(ExportFacts, HostBackend):
     graph_kind = "a torch.export archive (models/model.json)"
 
     @classmethod
@@ -77,7 +44,7 @@ class ExportBackend(HostBackend):
         if hashlib.sha256(data).hexdigest() != entry.file.sha256:
             raise BundleError(f"{path}: does not match its sha256 in the manifest; rebuild or re-download the bundle")
         try:
-            with _cached_type_hints():
+            with fast_export_load():
                 ep = load_exported(data, str(path))
         except UnsafeArchive as e:
             raise BundleError(f"{e}; refusing to load it") from e

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from ..errors import Eagle3Error
-from .. import neuron_sdk
-from ..manifest import (GRAPH_FORMATS, MANIFEST, BundleError, FileEntry, Manifest, all_shapes,
-                        torch_dtype)
+from ..manifest import MANIFEST, BundleError, FileEntry, Manifest, torch_dtype
 from ..reader import bundle_file
+from ..speculation import all_shapes
+from . import neuron_sdk
 from .base import BACKEND, BAD_BUNDLE, DEVICE, Check, Graph, RuntimeBackend, TPContext, world_size
+from .facts import NeuronFacts
 
 SDK = {mod: key for mod, (key, _) in neuron_sdk.NEURON_SDK.items()}  # import name -> toolchain key
 PIP_NAMES = dict(neuron_sdk.NEURON_SDK.values())  # toolchain key -> pip name
@@ -42,7 +43,7 @@ PHYSICAL_CORES_PER_DEVICE = {"trn2": 8, "trn1": 2, "inf2": 2}
 DEFAULT_LNC = {"trn2": 2, "trn1": 1, "inf2": 1}
 
 # The call contract of an NxD model, shared with the builder (eagle3_build/backends/neuron/)
-NXD_FORMAT = GRAPH_FORMATS["neuron"]
+NXD_FORMAT = NeuronFacts.graph_format
 KV_MOVE = "kv_move"  # the key that moves one KV-cache row: inputs (src_dst int32 [2], placeholders...)
 PLACEHOLDER_DTYPE = torch.int32  # zero-size inputs pad every call to the model's arity (NxDI: torch.empty(0))
 
@@ -320,10 +321,9 @@ def graph_fn(model: NxDModel, n_outputs: int):
     return run
 
 
-class NeuronBackend(RuntimeBackend):
+class NeuronBackend(NeuronFacts, RuntimeBackend):
     """Every rank in this process: one NxD model per model, KV caches on the device."""
 
-    name = "neuron"
     spmd = True
     state_on_host = False
     native_code = True

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.neuron_sdk import NEURON_SDK, NXDI
+from eagle3_runtime.backends.neuron_sdk import NEURON_SDK, NXDI
 from eagle3_runtime.backends.neuron import COMPACT_FIELD, KV_COMPACT, KV_MOVE, NXD_FORMAT
-from eagle3_runtime.manifest import ROLES
+from eagle3_runtime.graph_contract import ROLES
 
 from ...errors import UserError
 from ...recipe import check_backend_options
@@ -136,8 +136,9 @@ class NeuronBackend(Backend):
                 "compiler_command": neuronx_cc_command(spec.name, cc_args[spec.role])}
 
     @classmethod
-    def plan_models(cls, bm, backend, cache, cc_args) -> list[dict] | None:
-        return bundle.plan_builders(bm, backend, cache, cc_args)
+    def plan_details(cls, bm, backend, cache, cc_args) -> dict:
+        """neuronx-cc's flags per graph role, one NxD ModelBuilder per model."""
+        return {"compiler_args": cc_args, "builders": bundle.plan_builders(bm, backend, cache, cc_args)}
 
     @classmethod
     def describe_plan(cls, plan: dict) -> list[str]:

@@ -48,20 +48,22 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from eagle3_runtime import neuron_sdk
-from eagle3_runtime.manifest import PREFILL_ROLES, ROLES, index_dtype, torch_dtype
+from eagle3_runtime.backends import neuron_sdk
+from eagle3_runtime.backends.facts import NeuronFacts
 from eagle3_runtime.backends.neuron import (KV_COMPACT, KV_MOVE, PLACEHOLDER_DTYPE, compact_pairs,
                                             kv_compact_inputs, kv_move_inputs, nxd_key, routing_signature)
+from eagle3_runtime.graph_contract import PREFILL_ROLES, ROLES
+from eagle3_runtime.manifest import torch_dtype
 
 from ...errors import UserError
 from ...graphs import ROLE_MODULES, GraphSpec
 from ...models.llama import KVCache
-from ..base import NEURON_INSTALL_HINT, NEURON_SDK, preflight
 from .releases import integer_flags
+from .sdk import NEURON_INSTALL_HINT, NEURON_SDK, check_sdk
 
-NAME = "neuron"
+NAME = NeuronFacts.name
 SUFFIX = ".pt"
-INDEX_DTYPE = torch_dtype(index_dtype("neuron"))  # token / position / index inputs (NxDI's input_generator)
+INDEX_DTYPE = torch_dtype(NeuronFacts.index_dtype)  # token / position / index inputs
 
 COMMON_ARGS = ["--target", "trn2", "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none"]
 # NxDI's per-model defaults (neuronx-distributed-inference models/model_wrapper.py, docs/neuron-sdk-facts.md §6):
@@ -161,7 +163,7 @@ def neuron_devices() -> list[str]:
 def sdk_versions() -> dict[str, str]:
     """pip name -> installed version of each Neuron SDK package (and NxD Inference where installed), from
     the distributions' metadata; UserError naming what is missing, a placeholder, or fails to import."""
-    preflight(NAME)
+    check_sdk()
     for mod, dist in NEURON_SDK.items():
         why = neuron_sdk.import_failure(mod)
         if why:

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import threading
 
-from eagle3_runtime.neuron_sdk import distribution_version
+from eagle3_runtime.backends.neuron_sdk import distribution_version
 
 from ...errors import UserError
 

@@ -1,86 +1,30 @@
-"""Load client for `eagle3-serve`, in the style of `vllm bench serve`.
+"""`serve`: a load client for eagle3-serve in the style of `vllm bench serve`.
 
-Two ways to point it at a server:
-
-    # start eagle3-serve twice (speculative, then --no-spec) on free loopback ports, compare them
-    python benchmarks/bench_serve.py --bundle artifacts/tiny-llama-speculators \\
-        --num-prompts 32 --input-len 128 --output-len 64 --concurrency 1,4 \\
-        --server-arg="--threads 1" --save-result bench.json
-
-    # one pass against a server that is already running
-    python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --concurrency 1
-
-Each request is a streamed POST /v1/completions (OpenAI text_completion chunks, closed by
-`data: [DONE]`; token counts come from the `usage` object of the last chunk). Per request it measures
-TTFT, TPOT = (e2e - TTFT) / (output_tokens - 1), ITL (gaps between streamed chunks that carry text,
-so with speculative decoding one gap may cover several tokens, as in vLLM) and e2e latency. The
-"Speculative Decoding" block comes from deltas of the server's /metrics counters
-(eagle3_spec_decode_*, or vllm:spec_decode_* as a fallback) scraped right before and after each run.
-
-Prompts are random words from a built-in list, drawn from --seed, so every pass and every
-concurrency level sends the same prompts. Their length in words is calibrated once against the
-server's own tokenizer (two short probe requests, which double as warm-up); the report gives the
-real prompt_tokens from `usage`.
-
-Exit status: 0 all requests succeeded; 1 some request failed (the report is still printed and saved);
-2 a server did not start / become healthy / answer a probe request.
-"""
+Each request is a streamed POST /v1/completions; per request TTFT, TPOT = (e2e - TTFT) / (output_tokens - 1), ITL
+(gaps between streamed chunks that carry tokens: with speculation one gap may cover several tokens, as in vLLM) and
+e2e latency. The speculative-decoding block comes from the server's /metrics counters (eagle3_spec_decode_*, else
+vllm:spec_decode_*) scraped before and after each run. Prompts are random words drawn from --seed (the same every
+pass and concurrency level), their length calibrated against the server's tokenizer by two probe requests that
+double as warm-up. With --bundle it starts eagle3-serve twice (speculative, then --no-spec) and compares them."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import shlex
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-try:
-    import httpx
-except ImportError:  # pragma: no cover - depends on the environment
-    sys.exit("bench_serve.py needs httpx: pip install httpx")
+import httpx
 
-from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta  # noqa: E402
+from eagle3_runtime.spec_counters import parse_prometheus, spec_counters, spec_delta
 
-WORDS = (
-    "the of and to in is was for that with on as by at from his her it an are were which this be or "
-    "had not have one their all but new more when who will about time would there after year other "
-    "first also two into what some only over could state city may most such made then people many "
-    "out can between these both where any work world under three part school during used since each "
-    "well same later found while life name home water house early place small power group great long "
-    "north south east west river line family music book light sound game field order point market land "
-    "road story green black white blue red gold stone wood tree field garden window table door paper "
-    "money child woman man king queen army war peace law court church island village country mountain "
-    "summer winter spring morning night day week month hour minute road train ship car horse bird fish "
-    "open close read write speak listen walk run build grow learn teach carry bring hold keep start stop "
-    "good bad old young high low big little strong quick slow warm cold bright dark clear simple common"
-).split()
+from .prompts import random_prompts, random_words
+from .serving import Server, ServerError, eagle3_serve
 
-
-
-# ----------------------------------------------------------------------------------------------- prompts
-
-def make_prompt(rng: random.Random, n_words: int) -> str:
-    words = [rng.choice(WORDS) for _ in range(max(1, n_words))]
-    words[0] = words[0].capitalize()
-    return " ".join(words) + "."
-
-
-def make_prompts(seed: int, num: int, n_words: int) -> list[str]:
-    rng = random.Random(seed)
-    return [make_prompt(rng, n_words) for _ in range(num)]
-
-
-# ------------------------------------------------------------------------------------------ one request
 
 @dataclass
 class RequestResult:
@@ -196,8 +140,6 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: i
     return res
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-
 async def scrape_spec(client: httpx.AsyncClient, base_url: str) -> tuple[dict | None, str]:
     try:
         r = await client.get(base_url + "/metrics", timeout=30)
@@ -221,7 +163,7 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(xs: list[float], percentiles: list[float]) -> dict:
+def latency_summary(xs: list[float], percentiles: list[float]) -> dict:
     ms = [x * 1000 for x in xs]
     d = {"mean": sum(ms) / len(ms) if ms else 0.0, "median": percentile(ms, 50),
          "std": math.sqrt(sum((x - sum(ms) / len(ms)) ** 2 for x in ms) / len(ms)) if ms else 0.0}
@@ -278,10 +220,10 @@ async def run_level(args, base_url: str, model: str | None, prompts: list[str], 
         "mean_output_tokens": total_out / len(ok) if ok else 0.0,
         "mean_tokens_per_chunk": total_out / max(1, sum(r.chunks for r in ok)),
         "usage_missing": sum(1 for r in ok if not r.usage_reported),
-        "ttft_ms": summarize([r.ttft for r in ok], pct),
-        "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None], pct),
-        "itl_ms": summarize([x for r in ok for x in r.itl], pct),
-        "e2el_ms": summarize([r.e2e for r in ok], pct),
+        "ttft_ms": latency_summary([r.ttft for r in ok], pct),
+        "tpot_ms": latency_summary([r.tpot for r in ok if r.tpot is not None], pct),
+        "itl_ms": latency_summary([x for r in ok for x in r.itl], pct),
+        "e2el_ms": latency_summary([r.e2e for r in ok], pct),
     }
     spec = spec_delta(before, after)
     run = {"label": label, "concurrency": concurrency, "request_rate": args.request_rate, "metrics": m,
@@ -390,116 +332,6 @@ def print_comparison(rows: list[dict]) -> None:
     print("=" * len(hdr), flush=True)
 
 
-# ---------------------------------------------------------------------------------------------- servers
-
-class ServerError(RuntimeError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(args) -> list[str]:
-    cmd = shlex.split(args.server_cmd)
-    if cmd == ["eagle3-serve"] and shutil.which("eagle3-serve") is None:
-        cmd = [sys.executable, "-m", "eagle3_runtime.server"]
-    return cmd
-
-
-def eagle3_server(args, no_spec: bool, log_dir: Path) -> Server:
-    """eagle3-serve on args.bundle (--no-spec, or its default speculation), with every --server-arg."""
-    def cmd(port: int) -> list[str]:
-        out = server_command(args) + [args.bundle, "--host", "127.0.0.1", "--port", str(port)]
-        out += ["--no-spec"] if no_spec else []
-        for a in args.server_arg or []:
-            out += shlex.split(a)
-        return out
-
-    return Server(cmd, "nospec" if no_spec else "spec", log_dir)
-
-
-def tail(path: Path, n: int = 40) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
-class Server:
-    """A server command (`make_cmd(port)`: eagle3-serve, vLLM, ...) in its own process group on a free
-    loopback port, logs to files; stop() is idempotent."""
-
-    def __init__(self, make_cmd, tag: str, log_dir: Path, env: dict | None = None):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = make_cmd(self.port)
-        self.env = env
-        self.stdout_path = log_dir / f"server-{tag}.stdout.log"
-        self.stderr_path = log_dir / f"server-{tag}.stderr.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float) -> None:
-        print(f"starting: {shlex.join(self.cmd)}", flush=True)
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            try:
-                self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                             start_new_session=True, env=self.env)
-            except OSError as e:
-                raise ServerError(f"could not start {self.cmd[0]!r}: {e}") from None
-        t0 = time.monotonic()
-        last = ""
-        with httpx.Client(timeout=5.0) as c:
-            while True:
-                rc = self.proc.poll()
-                if rc is not None:
-                    raise ServerError(f"server exited with status {rc} before becoming healthy")
-                try:
-                    r = c.get(self.base_url + "/health")
-                    if r.status_code == 200:
-                        break
-                    last = f"HTTP {r.status_code}"
-                except httpx.HTTPError as e:
-                    last = type(e).__name__
-                if time.monotonic() - t0 > timeout:
-                    raise ServerError(f"server not healthy after {timeout:.0f}s (last /health: {last})")
-                time.sleep(0.5)
-        print(f"server healthy at {self.base_url} after {time.monotonic() - t0:.1f}s", flush=True)
-
-    def stop(self, grace: float = 15.0) -> None:
-        p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(p.pid, sig)  # the whole group: TP launchers spawn workers
-            except ProcessLookupError:
-                return
-            try:
-                p.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                if sig == signal.SIGTERM:
-                    print(f"server pid {p.pid} ignored SIGTERM for {grace:.0f}s; killing", file=sys.stderr)
-        try:  # workers left in the group after the leader exited
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def report_failure(self) -> None:
-        print(f"--- server stderr (tail, {self.stderr_path}) ---", file=sys.stderr)
-        print(tail(self.stderr_path) or "(empty)", file=sys.stderr)
-        out = tail(self.stdout_path, 15)
-        if out:
-            print(f"--- server stdout (tail, {self.stdout_path}) ---", file=sys.stderr)
-            print(out, file=sys.stderr)
-
-
-# ------------------------------------------------------------------------------------------------ driver
-
 async def discover_model(base_url: str) -> str | None:
     try:
         async with httpx.AsyncClient(timeout=30) as c:
@@ -514,7 +346,7 @@ async def discover_model(base_url: str) -> str | None:
 
 
 async def probe(args, base_url: str, model: str | None, n_words: int, seed: int) -> RequestResult:
-    prompt = make_prompt(random.Random(seed), n_words)
+    prompt = random_words(random.Random(seed), n_words)
     body = build_payload(args, model, prompt, min(args.output_len, 8), seed)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30.0)) as c:
         r = await send_request(c, base_url + "/v1/completions", body, -1)
@@ -550,7 +382,7 @@ async def run_pass(args, base_url: str, label: str, state: dict) -> list[dict]:
         state["n_words"], state["calibration"] = await calibrate(args, base_url, model)
         cal = state["calibration"]
         print(f"prompts: {state['n_words']} words each (calibration: {cal})", flush=True)
-        state["prompts"] = make_prompts(args.seed, args.num_prompts, state["n_words"])
+        state["prompts"] = random_prompts(args.seed, args.num_prompts, state["n_words"])
     else:
         await warmup(args, base_url, model)
     runs = []
@@ -562,6 +394,7 @@ async def run_pass(args, base_url: str, label: str, state: dict) -> list[dict]:
 
 
 def parse_concurrency(s: str) -> list[int | None]:
+    """1,4,inf: the concurrency levels (inf / 0 / none / unlimited: no limit)."""
     out: list[int | None] = []
     for part in s.split(","):
         part = part.strip().lower()
@@ -570,111 +403,45 @@ def parse_concurrency(s: str) -> list[int | None]:
         elif part:
             n = int(part)
             if n < 0:
-                raise argparse.ArgumentTypeError("concurrency must be >= 0")
+                raise ValueError("concurrency must be >= 0")
             out.append(n)
     if not out:
-        raise argparse.ArgumentTypeError("empty --concurrency")
+        raise ValueError("empty --concurrency")
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    tgt = ap.add_mutually_exclusive_group(required=True)
-    tgt.add_argument("--bundle", help="start eagle3-serve on this bundle twice (spec, then --no-spec) and compare")
-    tgt.add_argument("--base-url", help="benchmark an already running server (one pass), e.g. http://127.0.0.1:8000")
-    ap.add_argument("--model", default=None, help="'model' field to send (default: first id of GET /v1/models)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=128, help="approximate prompt length in tokens")
-    ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
-    ap.add_argument("--concurrency", type=parse_concurrency, default=[1],
-                    help="max in-flight requests; comma list runs each level, e.g. 1,2,4 (inf: no limit)")
-    ap.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="requests/s with Poisson arrivals (default inf: all at once, capped by --concurrency)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--metric-percentiles", default="99",
-                    help="comma list of percentiles to report besides the median (default 99)")
-    ap.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
-    ap.add_argument("--no-calibrate", action="store_true",
-                    help="use --input-len words per prompt instead of fitting to the server's tokenizer")
-    ap.add_argument("--keep-text", action="store_true", help="keep generated text in the JSON")
-    ap.add_argument("--save-result", default=None, help="write every number (and per-request data) to this JSON")
-    srv = ap.add_argument_group("--bundle mode")
-    srv.add_argument("--server-arg", action="append", default=[],
-                     help="extra eagle3-serve arguments, shell-split, repeatable: --server-arg='--threads 1'")
-    srv.add_argument("--server-cmd", default="eagle3-serve",
-                     help="server launcher (default eagle3-serve; python -m eagle3_runtime.server if not on PATH)")
-    srv.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for GET /health == 200")
-    srv.add_argument("--log-dir", default=None, help="where server logs go (default: a temporary directory)")
-    args = ap.parse_args(argv)
-    args.metric_percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        ap.error("--num-prompts, --input-len and --output-len must be >= 1")
-    if args.request_rate <= 0:
-        ap.error("--request-rate must be > 0 (inf for no pacing)")
+def eagle3_server(args, no_spec: bool, log_dir: Path) -> Server:
+    """eagle3-serve on args.bundle (--no-spec, or its default speculation), with every --server-arg."""
+    def cmd(port: int) -> list[str]:
+        out = eagle3_serve(args.server_cmd) + [args.bundle, "--host", "127.0.0.1", "--port", str(port)]
+        out += ["--no-spec"] if no_spec else []
+        for a in args.server_arg or []:
+            out += shlex.split(a)
+        return out
+
+    return Server(cmd, "nospec" if no_spec else "spec", log_dir)
+
+
+def run(args, result: dict, state: dict, log_dir: Path) -> int:
+    """Every pass into result["runs"]; 2 when a server does not start or answer, 1 when a request failed."""
     if args.base_url:
-        args.base_url = args.base_url.rstrip("/")
-        if args.base_url.endswith("/v1"):
-            args.base_url = args.base_url[:-3]
-    return args
-
-
-def _sigterm(signum, frame):  # run the finally blocks (server shutdown) on SIGTERM as on Ctrl-C
-    raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _sigterm)
-    result: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "config": {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
-                               for k, v in vars(args).items()},
-                    "runs": []}
-    state: dict = {}
-    status = 0
-    try:
-        if args.base_url:
-            result["runs"] += asyncio.run(run_pass(args, args.base_url, "server", state))
-        else:
-            log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench_serve_"))
-            log_dir.mkdir(parents=True, exist_ok=True)
-            result["server_logs"] = str(log_dir)
-            for no_spec in (False, True):
-                label = "no-spec" if no_spec else "spec"
-                server = eagle3_server(args, no_spec, log_dir)
-                result.setdefault("server_cmds", {})[label] = server.cmd
-                try:
-                    server.start(args.server_timeout)
-                    result["runs"] += asyncio.run(run_pass(args, server.base_url, label, state))
-                except ServerError as e:
-                    print(f"error ({label} server): {e}", file=sys.stderr)
-                    server.report_failure()
-                    return 2
-                finally:
-                    server.stop()
-            spec = [r for r in result["runs"] if r["mode"] == "spec"]
-            base = [r for r in result["runs"] if r["mode"] == "no-spec"]
-            result["comparison"] = comparison(spec, base)
-            print_comparison(result["comparison"])
-    except ServerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        result["calibration"] = state.get("calibration")
-        result["words_per_prompt"] = state.get("n_words")
-        if args.save_result and result["runs"]:
-            Path(args.save_result).write_text(json.dumps(result, indent=2))
-            print(f"results saved to {args.save_result}")
-    if any(r["metrics"]["failed"] for r in result["runs"]):
-        status = 1
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        result["runs"] += asyncio.run(run_pass(args, args.base_url, "server", state))
+    else:
+        result["server_logs"] = str(log_dir)
+        for no_spec in (False, True):
+            label = "no-spec" if no_spec else "spec"
+            server = eagle3_server(args, no_spec, log_dir)
+            result.setdefault("server_cmds", {})[label] = server.cmd
+            try:
+                server.start(args.server_timeout)
+                result["runs"] += asyncio.run(run_pass(args, server.base_url, label, state))
+            except ServerError as e:
+                print(f"error ({label} server): {e}", file=sys.stderr)
+                server.report_failure()
+                return 2
+            finally:
+                server.stop()
+        result["comparison"] = comparison([r for r in result["runs"] if r["mode"] == "spec"],
+                                          [r for r in result["runs"] if r["mode"] == "no-spec"])
+        print_comparison(result["comparison"])
+    return 1 if any(r["metrics"]["failed"] for r in result["runs"]) else 0

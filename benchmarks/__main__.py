@@ -1,0 +1,3 @@
+from benchmarks.cli import app
+
+app(prog_name="python -m benchmarks")

@@ -1,0 +1,68 @@
+"""What a measurement names its host by: CPU model and vector ISA, cores and threads, and what else was running."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+
+def threads(n: int | None = None) -> int:
+    """Set torch's CPU threads: `n`, else $EAGLE3_NUM_THREADS, else the cores this process may use (as eagle3-run)."""
+    from eagle3_runtime.tp import set_threads
+
+    return set_threads(n)
+
+
+def isa() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def host_kind() -> str:
+    """A short name for this kind of host from its CPU model and ISA: amd-epyc-avx512, intel-xeon-avx2, ..."""
+    from eagle3_runtime.packing import cpu_model
+
+    words = re.sub(r"\((R|TM)\)|CPU|Processor|@.*", " ", cpu_model(), flags=re.I).lower().split()
+    vendor = [w for w in words if re.fullmatch(r"[a-z]+", w)][:2] or ["cpu"]
+    return "-".join(vendor + [re.sub(r"[^a-z0-9]", "", isa().lower()) or "default"])
+
+
+def busy_cores(seconds: float = 0.3) -> float:
+    """Cores' worth of CPU time other processes used over `seconds` (/proc/stat; None where unreadable)."""
+    def sample():
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1), 2)
+
+
+def describe(n_threads: int | None) -> dict:
+    """The host as results record it; call it before measuring (load and busy cores are the start's)."""
+    import torch
+
+    from eagle3_runtime.host import available_cores
+    from eagle3_runtime.packing import cpu_description, cpu_model
+
+    return {"kind": host_kind(), "cpu": cpu_description(), "cpu_model": cpu_model(), "isa": isa(),
+            "cores": available_cores(), "cpus": os.cpu_count(), "threads": n_threads,
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()], "busy_cores_start": busy_cores(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def summary(host: dict) -> str:
+    """One line for a report's header."""
+    return (f"{host['threads']} thread(s) on {host['cpu']}, load {host['loadavg_start'][0]}"
+            + (f", {host['busy_cores_start']} cores busy at the start" if host.get("busy_cores_start") else ""))
+
+
+def use_huge_pages() -> None:
+    """2 MB pages for the process's tensors (read by PyTorch's CPU allocator at its first allocation): with 4 KB
+    pages the bundle loaded first into a process ran slower than the one loaded after it (README, engine_ab's bias)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

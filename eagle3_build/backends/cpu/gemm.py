@@ -1,0 +1,214 @@
+"""Which format the float32 projections of CPU graphs take, chosen by measurement on this host.
+
+Per token row count, the candidates (plain and each packing format this torch can make and compile here) are
+timed side by side over the model's own projection shapes, streamed from memory as when served; the fastest wins
+unless an earlier candidate is within MARGIN, in each of ROUNDS rounds. Answers are memoised per host under the
+compile cache and kept in the manifest's build record. docs/architecture.md (glossary) and docs/linear-layout.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, ONEDNN_FORMATS
+from eagle3_runtime.packing import BLOCKED_DTYPES, FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
+
+from ...files import atomic_write
+from ...models.linear import SMALL_ROWS, linear
+from . import inductor_internals as inductor
+
+PLAIN = "plain"
+CANDIDATES = (PLAIN, *FORMATS)
+F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: a reference for benchmarks, never chosen)
+MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
+MARGIN = 0.03
+ROUNDS = 2
+REPEATS = 25  # per decode-sized row count (fewer let close medians swap between runs: docs/linear-layout.md); 3 per
+# prefill-sized one (each pass is 10-100x longer)
+
+
+def projection_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every nn.Linear of a (meta, rank-local) model, in module order."""
+    return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def fit_in_memory(shapes: list[tuple[int, int]], max_bytes: int = MAX_BYTES) -> list[tuple[int, int]]:
+    """The shapes, each kept with the same share of its count, cut down to at most max_bytes of float32."""
+    total = sum(o * i for o, i in shapes) * 4
+    if total <= max_bytes:
+        return list(shapes)
+    counts: dict[tuple[int, int], int] = {}
+    for s in shapes:
+        counts[s] = counts.get(s, 0) + 1
+    scale = max_bytes / total
+    return [s for s, n in counts.items() for _ in range(max(1, int(n * scale)))]
+
+
+def blocked_format(fmt: str, blocking: tuple[int, int]) -> str:
+    """The candidate name of `fmt` compiled with register blocking (block_m, block_n): "blocked:8x8"."""
+    return f"{fmt}:{blocking[0]}x{blocking[1]}"
+
+
+def format_parts(candidate: str) -> tuple[str, tuple[int, int] | None]:
+    """A candidate name -> (its packing format, its register blocking or None for Inductor's choice)."""
+    fmt, _, blocking = candidate.partition(":")
+    return fmt, (tuple(int(x) for x in blocking.split("x")) if blocking else None)
+
+
+def blocked_variants(shapes: list[tuple[int, int]], rows: int, fmt: str = BLOCKED) -> list[str]:
+    """A blocked candidate's other candidate at a row count: the one-pass register blocking, where Inductor's choice
+    for one of the shapes takes more than one pass over the rows."""
+    one_pass = inductor.one_pass_blocking(rows)
+    threads = torch.get_num_threads()
+    inductors = {inductor.blocking(rows, o, i, threads, BLOCKED_DTYPES[fmt]) for o, i in set(shapes)}
+    return [blocked_format(fmt, one_pass)] if one_pass and any(b and b[0] < rows for b in inductors) else []
+
+
+def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str], repeats: int = REPEATS,
+               weights: list[torch.Tensor] | None = None, rounds: int = 1) -> dict[str, list[float]]:
+    """Per candidate, the median ms of one pass of x @ W.T over every shape, x of `rows` rows, in each of `rounds`
+    rounds of `repeats` passes (candidates interleaved; the first pass warms up and is not kept); a blocked candidate
+    Inductor fails to compile here is left out, with a warning naming it (the record lists the candidates timed)."""
+    torch.manual_seed(0)
+    weights = weights if weights is not None else [torch.rand(o, i) - 0.5 for o, i in shapes]
+    xs = {w.shape[1]: torch.rand(rows, w.shape[1]) for w in weights}
+
+    def over_weights(fns):
+        return lambda: [fn(xs[w.shape[1]]) for w, fn in zip(weights, fns)]
+
+    calls = {}
+    with torch.inference_mode():
+        for candidate in candidates:
+            if candidate == PLAIN:  # (what linear does unpacked: weight-stationary up to SMALL_ROWS rows, else F.linear)
+                calls[candidate] = over_weights([(lambda x, w=w: linear(x, w)) for w in weights])
+            elif candidate == F_LINEAR:
+                calls[candidate] = over_weights([(lambda x, w=w: F.linear(x, w)) for w in weights])
+            elif format_parts(candidate)[0] in BLOCKED_FORMATS:
+                try:
+                    fmt, blocking = format_parts(candidate)
+                    calls[candidate] = blocked_pass(weights, rows, xs, blocking, fmt)
+                except Exception as e:  # (Inductor could not generate it here: not a candidate)
+                    warnings.warn(f"GEMM format {candidate} left out of the measurement: Inductor could not compile "
+                                  f"it on torch {torch.__version__}: {type(e).__name__}: {str(e)[:200]}", RuntimeWarning)
+                    continue
+            else:
+                calls[candidate] = over_weights([(lambda x, w=w, p=pack_weight(w, rows, candidate), f=candidate:
+                                                  packed_linear(x, p, w, None, f)) for w in weights])
+        ms: dict[str, list[float]] = {f: [] for f in calls}
+        for rep in range(repeats * rounds + 1):
+            for candidate, run in calls.items():
+                t0 = time.perf_counter()
+                run()
+                if rep:
+                    ms[candidate].append((time.perf_counter() - t0) * 1e3)
+    return {f: [round(statistics.median(v[i * repeats:(i + 1) * repeats]), 3) for i in range(rounds)]
+            for f, v in ms.items()}
+
+
+def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor],
+                 blocking: tuple[int, int] | None = None, fmt: str = BLOCKED):
+    """One pass of x @ W.T over `weights` in a blocked format (register blocking: Inductor's, or `blocking`),
+    compiled now as the aoti backend compiles a graph (one AOTInductor package, the template per GEMM, in a private
+    directory removed after): a callable."""
+    threads = torch.get_num_threads()
+    dtype = BLOCKED_DTYPES[fmt]
+    block_ns = [inductor.block_n(rows, *w.shape, threads, blocking, dtype) for w in weights]
+    if None in block_ns:
+        raise RuntimeError(f"no {dtype} register blocking {blocking} here")
+    copies = tuple(pack_weight(w, rows, fmt, bn) for w, bn in zip(weights, block_ns))
+    widths, ks = [w.shape[0] for w in weights], sorted(xs)
+
+    class OnePass(nn.Module):
+        def forward(self, xs_, copies_):
+            by_k = dict(zip(ks, xs_))
+            return [packed_linear(by_k[c.shape[1]], c, None, None, fmt, n=n, threads=threads)
+                    for c, n in zip(copies_, widths)]
+
+    args = (tuple(xs[k] for k in ks), copies)
+    with tempfile.TemporaryDirectory(prefix="eagle3-gemm-") as d, inductor.inductor_cache(d), \
+            inductor.packed_input_lowering(), inductor.lean_wrapper(), inductor.config_patch({"compile_threads": 1}):
+        ep = torch.export.export(OnePass(), args, strict=False)
+        run = inductor.load_package(inductor.compile_and_package(ep, f"{d}/pass.pt2", {}))
+    return lambda: run(*args)
+
+
+def pick_fastest(ms: dict[str, list[float]]) -> str:
+    """The fastest candidate of every round (ms: per candidate, one median per round), unless an earlier one in
+    CANDIDATES is within MARGIN of it; where the rounds disagree, the earliest in CANDIDATES of their choices (a format's other
+    blockings after it)."""
+    order = sorted(ms, key=lambda f: (CANDIDATES.index(format_parts(f)[0]), f))
+    picks = set()
+    for i in range(min(len(ms[f]) for f in order)):
+        best = min(order, key=lambda f: ms[f][i])
+        picks.add(next(f for f in order if ms[f][i] <= ms[best][i] * (1 + MARGIN)))
+    return next(f for f in order if f in picks)
+
+
+def formats_for(rows: int, formats: list[str]) -> list[str]:
+    """The candidates at a row count: "plain" and `formats`; beyond SMALL_ROWS (prefill chunks) only the formats
+    whose one copy serves every row count (oneDNN's: an MKL copy per prefill bucket would cost the weights'
+    size again for each)."""
+    return [PLAIN, *(f for f in formats if rows <= SMALL_ROWS or f in ONEDNN_FORMATS)]
+
+
+def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None) -> dict:
+    """{"cpu", "threads", "torch", "formats", "torch_hooks", "rows": {"R": {"choice": candidate, "ms": {candidate:
+    [ms per round]}}}} for every row count in `rows` with a candidate besides "plain" (formats_for); memoised in cache_dir per row count (a new bucket
+    measures its own row count only: the others keep their choice, and the graphs their cache keys)."""
+    rows = sorted({r for r in rows if 0 < r <= SMALL_ROWS or (r > SMALL_ROWS and len(formats_for(r, formats)) > 1)})
+    shapes = fit_in_memory(shapes)
+    ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "capability": torch.backends.cpu.get_cpu_capability(), "formats": [PLAIN, *formats],
+             "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
+             "repeats": REPEATS, "rounds": ROUNDS}
+    if set(BLOCKED_FORMATS) & set(formats):
+        ident |= {"blocked_kernel": inductor.kernel_tag(), "blockings": "inductor's, one-pass"}
+    if inductor.isa_config()[0]:  # (what the aoti backend compiles blocked candidates for: its codegen())
+        ident["code"] = list(inductor.isa_config())
+    out = {"cpu": ident["cpu"], "threads": ident["threads"], "torch": ident["torch"], "formats": ident["formats"],
+           "torch_hooks": inductor.report()["hooks"], "rows": {}}
+    path, known = None, {}
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+        path = Path(cache_dir) / "host" / f"gemm-{digest}.json"
+        try:
+            known = json.loads(path.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError):
+            known = {}
+    missing = [r for r in rows if str(r) not in known]
+    weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if missing and formats else []
+    for r in missing:
+        candidates = formats_for(r, formats)
+        candidates += [v for f in BLOCKED_FORMATS if f in candidates for v in blocked_variants(shapes, r, f)]
+        ms = time_formats(shapes, r, candidates, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights,
+                          rounds=ROUNDS) if len(candidates) > 1 else {PLAIN: [0.0]}
+        known[str(r)] = {"choice": pick_fastest(ms), "ms": ms}
+    if path is not None and missing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({**out, "rows": known}, indent=1))
+    return {**out, "rows": {str(r): known[str(r)] for r in rows}}
+
+
+def named_choice(fmt: str, rows: list[int]) -> dict:
+    """A `choose` record that gives every row count `fmt` serves (formats_for) the format `fmt` (nothing measured)."""
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__, "named": fmt,
+            "torch_hooks": inductor.report()["hooks"],
+            "rows": {str(r): {"choice": fmt, "ms": {}} for r in sorted({r for r in rows if r > 0})
+                     if fmt in formats_for(r, [fmt])}}
+
+
+def format_per_rows(record: dict | None) -> dict[int, str]:
+    """Row count -> candidate of a `choose` record (a packing format, or a format with its blocking: format_parts); row
+    counts left plain are absent."""
+    if not record:
+        return {}
+    return {int(r): v["choice"] for r, v in record["rows"].items() if v["choice"] != PLAIN}
