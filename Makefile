@@ -29,13 +29,19 @@ setup: $(BIN)/.installed
 # that fills the cores the two suite workers leave idle; its log is printed after the suite's.
 # The runtime alone is installed in the background too, for tests/test_runtime_install.py, by the bare
 # interpreter from the start (python3 tests/runtime_venv.py DIR): beside .venv's own install, which takes one core;
-# and once more on the Neuron SDK's torch (2.9, PyPI's build: ~3 GB, mostly download) after it.
+# and once more on the Neuron SDK's torch (2.9, PyPI's build: ~3 GB, mostly download) after it; then the neuron
+# backend's graphs of tiny pairs are lowered to HLO by torch-xla 2.9 and checked, at TP 1 and TP 2 (neuron-hlo below;
+# its venv reuses that torch download from pip's cache), its log printed after the suite's.
 RT_VENV := .venv-runtime-only
 RT29_VENV := .venv-runtime-torch29
+HLO_CHECK = for tp in 1 2; do PJRT_DEVICE=CPU $(XLA_BIN)/python tools/neuron_hlo.py --tp $$tp \
+	--out $(XLA_VENV)/hlo-tp$$tp.json || exit 1; done
 
 test:
-	@rm -rf $(RT_VENV) $(RT29_VENV); { $(PY) tests/runtime_venv.py $(RT_VENV); \
-	  $(PY) tests/runtime_venv.py $(RT29_VENV) --torch 2.9.0; } & bg=$$!; \
+	@rm -rf $(RT_VENV) $(RT29_VENV) $(XLA_VENV).log; { $(PY) tests/runtime_venv.py $(RT_VENV); \
+	  $(PY) tests/runtime_venv.py $(RT29_VENV) --torch 2.9.0; \
+	  { $(MAKE) -s $(XLA_BIN)/.installed && $(HLO_CHECK); } > $(XLA_VENV).log 2>&1; echo "rc $$?" >> $(XLA_VENV).log; \
+	} & bg=$$!; \
 	$(MAKE) --no-print-directory setup || { wait $$bg; exit 1; }; \
 	{ $(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 && \
 	  $(NS_BIN)/python -m pytest -q -p no:cacheprovider $(NEURON_STACK_TESTS) >> $(NS_VENV).log 2>&1; } & ns=$$!; \
@@ -43,7 +49,9 @@ test:
 		--ignore tests/test_neuron_spmd.py; rc=$$?; \
 	wait $$bg; wait $$ns; nsrc=$$?; \
 	echo "== make test-neuron-stack (its venv's install and tests, run beside the suite) =="; cat $(NS_VENV).log; \
-	[ $$rc -eq 0 ] && exit $$nsrc; exit $$rc
+	echo "== neuron HLO check, TP 1 and 2 (torch-xla 2.9 on CPU; its venv's install and the check) =="; \
+	cat $(XLA_VENV).log; tail -1 $(XLA_VENV).log | grep -qx "rc 0"; hlorc=$$?; \
+	[ $$rc -ne 0 ] && exit $$rc; [ $$nsrc -ne 0 ] && exit $$nsrc; exit $$hlorc
 
 # everything, slow tests included
 test-all: setup
@@ -85,8 +93,8 @@ $(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml eagle3_runtim
 test-neuron-stack: $(NS_BIN)/.installed
 	$(NS_BIN)/python -m pytest -q -n 2 --dist loadgroup $(NEURON_STACK_TESTS)
 
-# what the neuron backend traces, lowered to HLO by torch-xla 2.9 on CPU and checked (tools/neuron_hlo.py;
-# not part of `test`): writes benchmarks/results/neuron-hlo.json. Its own venv, torch 2.9 + torch-xla 2.9
+# what the neuron backend traces, lowered to HLO by torch-xla 2.9 on CPU and checked (tools/neuron_hlo.py; `test`
+# runs it at TP 1 and 2): writes benchmarks/results/neuron-hlo.json (TP 2). Its own venv, torch 2.9 + torch-xla 2.9
 XLA_VENV := .venv-xla
 XLA_BIN := $(XLA_VENV)/bin
 
@@ -97,7 +105,7 @@ $(XLA_BIN)/.installed:
 	touch $@
 
 neuron-hlo: $(XLA_BIN)/.installed
-	PJRT_DEVICE=CPU $(XLA_BIN)/python tools/neuron_hlo.py
+	PJRT_DEVICE=CPU $(XLA_BIN)/python tools/neuron_hlo.py --tp 2
 
 clean:
-	rm -rf $(VENV) $(RT_VENV) $(RT29_VENV) artifacts/*/ .pytest_cache
+	rm -rf $(VENV) $(RT_VENV) $(RT29_VENV) $(XLA_VENV) artifacts/*/ .pytest_cache

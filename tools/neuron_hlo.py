@@ -1,15 +1,16 @@
 """Lower exactly what the neuron backend traces to HLO (torch-xla 2.9, CPU PJRT) and check it.
 
-    make neuron-hlo          # = PJRT_DEVICE=CPU .venv-xla/bin/python tools/neuron_hlo.py
+    make neuron-hlo          # = PJRT_DEVICE=CPU .venv-xla/bin/python tools/neuron_hlo.py --tp 2
+    tools/neuron_hlo.py --tp 1 --out REPORT.json   # what `make test` runs, at TP 1 and TP 2, beside the suite
 
-Dev tool, NOT part of the product or of `make test`: runs in .venv-xla (torch 2.9 + torch-xla 2.9 +
-transformers 4.57, the Neuron SDK's stack). It makes the tiny Llama pair and the GPT-OSS twin with
-tp_degree 2 (eagle3_build.testing.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
+Runs in .venv-xla (torch 2.9 + torch-xla 2.9 + transformers 4.57, the Neuron SDK's stack). It makes the tiny
+Llama pair (a chain, and a dynamic tree) and the GPT-OSS twin at the TP degree given
+(eagle3_build.testing.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
 build_models, backend neuron) and runs the product's own SPMD path: NeuronBackend.write_graphs builds each
 model's ModelGraphs and calls NeuronBackend.compile_model, unchanged. Only the SDK is replaced:
 
-* `neuronx_distributed.parallel_layers.mappings` is tools/hlo_check.py's NxD mappings shim for tp 2
-  (xm.all_reduce / xm.all_gather over [[0, 1]]), counting the collectives each graph asks for;
+* `neuronx_distributed.parallel_layers.mappings` is tools/hlo_check.py's NxD mappings shim for the TP degree
+  (xm.all_reduce / xm.all_gather over [[0, 1]] at TP 2), counting the collectives each graph asks for;
 * `neuronx_distributed.trace.model_builder` records what compile_model hands to ModelBuilder (keys,
   BaseModelInstance(module_cls, input_output_aliases), one example tuple per bucket) and, in `trace()`,
   lowers every key and bucket with hlo_check (`lower_detailed(..., xla_alias_evidence=False)`: the text
@@ -27,7 +28,7 @@ inputs, the rank weight, d2t, placeholders) - s64 parameters are reported with w
 (torch_neuronx's xla_trace builds its LoweringContext over all outputs and refuses a CPU tensor, as
 `_get_xla_tensors_hlo` does; such outputs are reported, then moved so the rest is still checked).
 XLA_IR_DEBUG / XLA_HLO_DEBUG are on, so each finding names the Python line that made the instruction.
-Report: benchmarks/results/neuron-hlo.json; NEURON_HLO_DUMP=DIR also writes each graph's HLO text there.
+Report: benchmarks/results/neuron-hlo.json (or --out); NEURON_HLO_DUMP=DIR also writes each graph's HLO text there.
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "neuron-hlo.json"
-TP = 2
-PAIRS = {"llama": {}, "gpt-oss": {"arch": "gpt-oss"}}
+TP = 2  # (--tp)
+PAIRS = {"llama": {}, "llama-tree": {"num_layers": 8}, "gpt-oss": {"arch": "gpt-oss"}}
+TREES = {"llama-tree": (3, 2, 7)}  # a dynamic tree (depth, topk, nodes) in every batch bucket
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("HLO_CHECK_XLA_DUMP", "0")  # lower() never syncs: XLA's own dump would stay empty
@@ -128,11 +130,12 @@ class ModelBuilder:
         return self
 
     def trace(self, initialize_model_weights=True, dry_run=False, disable_fail_fast=False):
-        from eagle3_runtime.backends.neuron import KV_MOVE
+        from eagle3_runtime.backends.neuron import KV_COMPACT, KV_MOVE
 
         mg = SESSION.mg
         for key, inst, examples, priority in self.keys:
-            names = [s.name for s, _ in mg.graphs if s.role == key] if key != KV_MOVE else [f"{mg.name}_{KV_MOVE}"]
+            names = [s.name for s, _ in mg.graphs if s.role == key] if key not in (KV_MOVE, KV_COMPACT) \
+                else [f"{mg.name}_{key}"]
             for i, example in enumerate(examples):
                 name = names[i] if i < len(names) else f"{key}_bucket{i}"
                 SESSION.graphs.append(lower_and_check(SESSION, mg, key, i, name, inst, example, self.tp,
@@ -225,7 +228,7 @@ def _outputs_on_device(module: nn.Module, cpu_outputs: list[int]) -> None:
 
 def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst, example, tp: int,
                     priority=None) -> dict:
-    from eagle3_runtime.backends.neuron import KV_MOVE
+    from eagle3_runtime.backends.neuron import KV_COMPACT, KV_MOVE
 
     inst.load_module()  # fresh per bucket: lowering moves the module's Parameters to the XLA device
     module, aliases = inst.get(bucket)  # (ModelBuilder: the alias dict of this bucket, from get())
@@ -256,7 +259,7 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
     weight_elems = [_numel(s) for s, _ in mg.weights.values() if len(s) >= 2]
     max_const = min([1024] + [n - 1 for n in weight_elems])
     f = hlo_check.check(res["hlo"], tp=tp, max_constant_elems=max_const,
-                        expect_collectives=(key != KV_MOVE))
+                        expect_collectives=(key not in (KV_MOVE, KV_COMPACT) and tp > 1))
     failures += f["issues"]  # replica groups, s64 parameters, s64 indexed/collective ops, big constants, alias types
 
     # collectives: everything the model asked for reached the HLO
@@ -264,8 +267,8 @@ def lower_and_check(session: Session, mg, key: str, bucket: int, name: str, inst
     for op in ("all-reduce", "all-gather"):
         if ops.get(op, 0) != calls.get(op, 0):
             failures.append(f"{op}: {calls.get(op, 0)} traced through NxD's mappings, {ops.get(op, 0)} in the HLO")
-    if key != KV_MOVE and not calls.get("all-reduce"):
-        failures.append("no all-reduce traced (tp 2: every role reduces its row-parallel matmuls)")
+    if key not in (KV_MOVE, KV_COMPACT) and tp > 1 and not calls.get("all-reduce"):
+        failures.append(f"no all-reduce traced (tp {tp}: every role reduces its row-parallel matmuls)")
 
     # the KV state aliased to the last output
     roles = {p["number"]: p["role"] for p in res["parameters"]}
@@ -346,6 +349,12 @@ def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
     try:
         recipe = make_tiny_pair(work / label / "pair", tp_degree=TP, **kw)
         pair = load_recipe(recipe).pairs[0].model_copy(update={"backend": "neuron", "backend_options": {}})
+        if label in TREES:
+            from eagle3_build.recipe import Speculation
+            from eagle3_runtime.speculation import dynamic_tree
+
+            pair = pair.model_copy(update={"speculation": Speculation(
+                num_speculative_tokens=TREES[label][0], shapes={b: dynamic_tree(*TREES[label]) for b in pair.buckets.batch})})
         info.update(recipe=pair.name, dtype=pair.dtype, tp=pair.parallel.tp_degree, K=pair.speculation.num_speculative_tokens,
                     prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch))
         newest = {pip: RELEASES[NEWEST][pip][-1] for pip in SDK_PACKAGES}  # (no SDK here: the newest release's)
@@ -390,13 +399,22 @@ def summary(report: dict) -> str:
     lines.append(f"  int64 tensors: {report['int64']['tensors_by_kind'] or 'none'}")
     lines += [f"    {k}: {v}" for k, v in report["int64"]["kinds"].items()]
     lines += [f"    covered by, {k}: {v}" for k, v in report["int64"]["covered_by"].items()]
-    lines.append(f"  report: {OUT.relative_to(REPO)}")
+    lines.append(f"  report: {report['path']}")
     return "\n".join(lines)
 
 
 def main() -> int:
+    import argparse
+
     import torch_xla
     import transformers
+
+    global TP
+    ap = argparse.ArgumentParser(description="Lower the neuron backend's graphs of tiny pairs to HLO and check them")
+    ap.add_argument("--tp", type=int, default=TP, choices=(1, 2), help="TP degree of the pairs (default 2)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"report path (default {OUT.relative_to(REPO)})")
+    args = ap.parse_args()
+    TP = args.tp
 
     t0 = time.perf_counter()
     session = install_sdk(TP)
@@ -436,9 +454,9 @@ def main() -> int:
                                                    "the build (eagle3_build/backends/neuron/releases.py integer_flags)"}},
         "graphs": session.graphs,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(report, indent=1) + "\n")
-    print(summary({**report, "failure_list": failure_list}))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(summary({**report, "failure_list": failure_list, "path": args.out}))
     return 0 if report["ok"] else 1
 
 
