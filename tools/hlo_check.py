@@ -1,10 +1,10 @@
 """Lower a torch module to HLO with torch-xla (CPU PJRT) and check what neuronx-cc would receive.
 
-Dev tool, NOT part of the product: runs only in the separate torch-xla venv (.venv-xla, torch 2.9 +
+Dev tool, NOT part of the product: runs only in the neuron-stack venv (.venv-neuron-stack, torch 2.9 +
 torch-xla 2.9, CPU) and is never imported by eagle3_build / eagle3_runtime.
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python tools/hlo_check.py            # self-test, prints JSON
-    PYTHONPATH=/work/main:/work/main/tools .venv-xla/bin/python -c "import hlo_check; ..."
+    PJRT_DEVICE=CPU .venv-neuron-stack/bin/python tools/hlo_check.py            # self-test, prints JSON
+    PYTHONPATH=/work/main:/work/main/tools .venv-neuron-stack/bin/python -c "import hlo_check; ..."
 
 What was measured with torch 2.9.0 / torch-xla 2.9.0 on CPU (one PJRT device, real world size 1):
 

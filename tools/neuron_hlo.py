@@ -1,9 +1,9 @@
 """Lower exactly what the neuron backend traces to HLO (torch-xla 2.9, CPU PJRT) and check it.
 
-    make neuron-hlo          # = PJRT_DEVICE=CPU .venv-xla/bin/python tools/neuron_hlo.py --tp 2
+    make neuron-hlo          # = PJRT_DEVICE=CPU .venv-neuron-stack/bin/python tools/neuron_hlo.py --tp 2
     tools/neuron_hlo.py --tp 1 --out REPORT.json   # what `make test` runs, at TP 1 and TP 2, beside the suite
 
-Runs in .venv-xla (torch 2.9 + torch-xla 2.9 + transformers 4.57, the Neuron SDK's stack). It makes the tiny
+Runs in .venv-neuron-stack (torch 2.9 + torch-xla 2.9 + transformers 4.57, the Neuron SDK's stack). It makes the tiny
 Llama pair (a chain, and a dynamic tree) and the GPT-OSS twin at the TP degree given
 (eagle3_build.testing.tiny.make_tiny_pair), loads each as the builder does (load_recipe, load_pair,
 build_models, backend neuron) and runs the product's own SPMD path: NeuronBackend.write_graphs builds each

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..manifest import BundleError, GraphEntry, Manifest
-from ..packing import BF16, ELEMENT_BYTES, copy_key, describe_choice
+from ..packing import BF16, ELEMENT_BYTES, copy_key, describe_choice, pack_weight
 from ..signature import Signature, aoti_signature, read_zip_signature
 from ..torch_internals import load_aoti_package, onednn_bf16_available
 from .base import BACKEND, DEVICE, Check, GraphFn
@@ -79,7 +79,20 @@ class AotiBackend(AotiFacts, HostBackend):
         for c in self.host_checks(m, {}):  # native code: refuse before loading any of it
             if not c.ok:
                 raise BundleError(c.detail)
+        self.packed: dict[tuple, torch.Tensor] = {}
         super().__init__(root, m, rank)
+
+    def inputs_after_weights(self, g: GraphEntry) -> tuple[torch.Tensor, ...]:
+        """The graph's packed copies, each made once (packing.copy_key) and shared by every graph that takes it;
+        fused weights are concatenated along the output dim first."""
+        out = []
+        for p in g.packed:
+            key = copy_key(p)
+            if key not in self.packed:
+                w = torch.cat([self.weights[n] for n in (p.weight, *p.fused)]) if p.fused else self.weights[p.weight]
+                self.packed[key] = pack_weight(w, p.rows, p.format, p.block_n)
+            out.append(self.packed[key])
+        return tuple(out)
 
     def load_graph(self, path: Path, entry: GraphEntry, weights: tuple[torch.Tensor, ...]) -> GraphFn:
         return load_aoti_package(str(path))

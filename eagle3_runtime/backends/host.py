@@ -11,8 +11,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..manifest import BundleError, GraphEntry, Manifest, PackedWeight
-from ..packing import copy_key, pack_weight
+from ..manifest import BundleError, GraphEntry, Manifest
 from ..reader import bundle_file
 from .base import DTYPES, Graph, GraphFn, RuntimeBackend, TPContext, world_size
 
@@ -51,23 +50,17 @@ class HostBackend(RuntimeBackend):
             for k, v in tensors.items():
                 self.weights[f"{name}/{k}"] = v
         self.state = {s.name: torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in m.state}
-        self.packed: dict[tuple, torch.Tensor] = {}
         rank_t = torch.tensor([rank], dtype=torch.int64)
         for g in m.graphs:
-            weights = tuple(self.weights[w] for w in g.weights) + tuple(self._packed(p) for p in g.packed)
+            weights = tuple(self.weights[w] for w in g.weights) + self.inputs_after_weights(g)
             fn = self.load_graph(bundle_file(self.root, g.file.path), g, weights)
             self.graphs[g.name] = Graph(g, fn, weights, self.state[g.state], rank_t)
         self.rows, self.positions = m.kv_dim("rows"), m.kv_dim("positions")
         self.target_kv = self.state[m.state_of("target")]
 
-    def _packed(self, p: PackedWeight) -> torch.Tensor:
-        """A packed copy made once (packing.copy_key) and shared by every graph that takes it; fused weights are
-        concatenated along the output dim first."""
-        key = copy_key(p)
-        if key not in self.packed:
-            w = torch.cat([self.weights[n] for n in (p.weight, *p.fused)]) if p.fused else self.weights[p.weight]
-            self.packed[key] = pack_weight(w, p.rows, p.format, p.block_n)
-        return self.packed[key]
+    def inputs_after_weights(self, g: GraphEntry) -> tuple[torch.Tensor, ...]:
+        """What a graph takes after its weights (the aoti backend: copies packed at load)."""
+        return ()
 
     def copy_kv_row(self, src: int, dst: int) -> None:
         for kv in self.state.values():
