@@ -93,7 +93,6 @@ def kernel_name(name: str) -> str | None:
 def profiled_graphs(bundle, recipe: Path, names: list[str], work: Path) -> dict:
     """{name: (the bundle's graph, the same graph compiled again with Inductor's kernel profiling)}: each graph is
     traced from `recipe` again and must get the bundle graph's key (same recipe, code and GEMM choice)."""
-    from eagle3_build.backends.cpu.packed import ProjectionLayouts
     from eagle3_build.backends.per_graph import trace_graphs
     from eagle3_build.backends.registry import get_backend
     from eagle3_build.compile.cache import CompileCache, default_cache_dir
@@ -117,8 +116,7 @@ def profiled_graphs(bundle, recipe: Path, names: list[str], work: Path) -> dict:
     if {s.name for s in specs} != set(names):
         sys.exit(f"graphs {sorted(set(names) - {s.name for s in specs})} are not in {recipe}'s plan")
     out = {}
-    record = bundle.manifest.build.get("gemm")  # (the bundle's own GEMM choice, not one measured now)
-    layouts = ProjectionLayouts(record, pair, backend.codegen) if record else None
+    layouts = backend.layouts_of(bundle.manifest.build.get("gemm"), pair)  # (the bundle's own GEMM choice)
     for tg in trace_graphs(bm, backend, CompileCache(work / "cache").open(), layouts, specs):
         own = bundle.backend.graphs[tg.spec.name]
         if tg.job.key != own.entry.key:

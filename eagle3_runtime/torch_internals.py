@@ -54,8 +54,8 @@ class Hooks:
 
     @staticmethod
     def tested_releases(hook: Hook) -> tuple[str, ...]:
-        named = os.environ.get(TESTED_ENV, "").strip()
-        return tuple(v.strip() for v in named.split(",") if v.strip()) if named else hook.tested
+        named = tuple(v.strip() for v in os.environ.get(TESTED_ENV, "").split(",") if v.strip())
+        return named or hook.tested
 
     @functools.cache
     def why_off(self, name: str) -> str | None:

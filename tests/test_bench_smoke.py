@@ -66,7 +66,7 @@ def test_host_kind_and_result_names(monkeypatch, tmp_path):
 def test_usage_errors_are_one_line():
     for args, words in ((["gemm", "--rows", "1,x"], "--rows"), (["gemm-blocking", "--variants", "8y8"], "8y8"),
                         (["shapes", "--phases", "decode,nope"], "nope"), (["engine", "a"], "two bundles"),
-                        (["serve"], "--bundle")):
+                        (["serve"], "--bundle"), (["demo", "/nonexistent-bundle"], "no manifest.json; not a bundle")):
         r = _bench(*args)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 

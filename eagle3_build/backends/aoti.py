@@ -152,6 +152,10 @@ class AotiBackend(PerGraphBackend):
                                   plan_rows(pair, graph_plan(pair)), cache.root,
                                   gemm.projection_shapes(bm.models["draft"][0]),
                                   bm.lp.draft.stored_dtype() == torch.bfloat16)
+        return self.layouts_of(record, pair)
+
+    def layouts_of(self, record: dict | None, pair) -> ProjectionLayouts | None:
+        """The graphs' layouts under a GEMM choice record (a bundle's build record "gemm", or gemm_choice's)."""
         return ProjectionLayouts(record, pair, self.codegen) if record else None
 
     def gemm_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,

@@ -137,7 +137,7 @@ def _probe_micro_kernel_edit() -> None:
 def _probe_blocked_format() -> None:
     cmg = _import_codegen()
     from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # noqa: F401  (called when used: it may compile probes)
     from torch._inductor.graph import GraphLowering  # noqa: F401
     from torch._inductor.select_algorithm import autotune_select_algorithm  # noqa: F401
     from torch._inductor.virtualized import V  # noqa: F401
@@ -154,7 +154,6 @@ def _probe_blocked_format() -> None:
     configs = [c for v in cmg.micro_gemm_configs.values() for c in v]
     if not configs or not all(hasattr(c, "register_blocking") and hasattr(c, "vec_isa_cls") for c in configs):
         raise AttributeError("micro_gemm_configs entries without register_blocking / vec_isa_cls")
-    pick_vec_isa()
 
 
 @HOOKS.hook("packed_extern_lowering", "MKL's and oneDNN's packed formats are not offered (F.linear, or the blocked "
