@@ -29,7 +29,8 @@ setup: $(BIN)/.installed
 # that fills the cores the two suite workers leave idle; its log is printed after the suite's.
 # The runtime alone is installed in the background too, for tests/test_runtime_install.py, by the bare
 # interpreter from the start (python3 tests/runtime_venv.py DIR): beside .venv's own install, which takes one core;
-# and once more on the Neuron SDK's torch (2.9, PyPI's build: ~3 GB, mostly download) after it. The neuron stack's
+# and once more on the Neuron SDK's torch (2.9, PyPI's build: ~3 GB download) after it, through uv, whose cache the
+# neuron stack's venv shares (hard links: the CUDA libraries on disk once). The neuron stack's
 # job (its venv, the SPMD stand-in tests, then the HLO check at TP 1 and 2: neuron-hlo below) runs beside the suite.
 RT_VENV := .venv-runtime-only
 RT29_VENV := .venv-runtime-torch29
@@ -37,7 +38,7 @@ HLO_CHECK = for tp in 1 2; do PJRT_DEVICE=CPU $(NS_BIN)/python tools/neuron_hlo.
 	--out $(NS_VENV)/hlo-tp$$tp.json || exit 1; done
 
 test:
-	@rm -rf $(RT_VENV) $(RT29_VENV); { $(PY) tests/runtime_venv.py $(RT_VENV); \
+	@rm -rf $(RT_VENV) $(RT29_VENV) $(RT29_VENV)-uv; { $(PY) tests/runtime_venv.py $(RT_VENV); \
 	  $(PY) tests/runtime_venv.py $(RT29_VENV) --torch 2.9.0; } & bg=$$!; \
 	$(MAKE) --no-print-directory setup || { wait $$bg; exit 1; }; \
 	{ $(MAKE) -s $(NS_BIN)/.installed > $(NS_VENV).log 2>&1 && \
@@ -75,11 +76,12 @@ demo-tiny: setup
 
 # the neuron path on the Neuron SDK's Python stack (torch 2.9, torch-xla 2.9, transformers 4.57.x): its own venv,
 # installed like `setup` does .venv, then the SPMD stand-in tests (builds through the stand-in ModelBuilder, decoded
-# against transformers 4.57). One of them and one numeric test build their transformers
+# against transformers 4.57), and the NEFF generation through its neuronx-cc and nrtpy stand-ins
+# (tests/test_neuron_gen2.py). One of them and one numeric test build their transformers
 # reference with 5.x-only APIs; tests/test_neuron_stack.py reruns those two the 4.x way.
 NS_VENV := .venv-neuron-stack
 NS_BIN := $(NS_VENV)/bin
-NEURON_STACK_TESTS := tests/test_neuron_spmd.py tests/test_neuron_stack.py \
+NEURON_STACK_TESTS := tests/test_neuron_spmd.py tests/test_neuron_stack.py tests/test_neuron_gen2.py \
 	--deselect "tests/test_neuron_spmd.py::test_spmd_bundle_decodes_like_transformers[2-gpt-oss]"
 
 $(NS_BIN)/.installed: requirements-neuron-stack.txt pyproject.toml eagle3_runtime/pyproject.toml
@@ -96,4 +98,4 @@ neuron-hlo: $(NS_BIN)/.installed
 	PJRT_DEVICE=CPU $(NS_BIN)/python tools/neuron_hlo.py --tp 2
 
 clean:
-	rm -rf $(VENV) $(RT_VENV) $(RT29_VENV) $(NS_VENV) artifacts/*/ .pytest_cache
+	rm -rf $(VENV) $(RT_VENV) $(RT29_VENV) $(RT29_VENV)-uv $(NS_VENV) artifacts/*/ .pytest_cache

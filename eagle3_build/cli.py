@@ -435,7 +435,7 @@ def plan_cmd(
 def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
                 as_json: bool = typer.Option(False, "--json")):
     """Summarise a bundle's manifest."""
-    from eagle3_runtime.backends.registry import backend_class
+    from eagle3_runtime.backends.registry import backend_for
     from eagle3_runtime.bundle import BundleError
     from eagle3_runtime.reader import read_manifest
 
@@ -467,7 +467,7 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         ins = " ".join(f"{i.name}{i.shape}" for i in g.inputs)
         t.add_row(g.name, g.role, str(g.bucket), ins, f"{g.file.size / 1e3:.0f} kB", g.file.sha256[:12])
     out_console.print(t)
-    for line in backend_class(m.backend).describe_bundle(m):  # (what the backend adds: its packed copies)
+    for line in backend_for(m).describe_bundle(m):  # (what the backend adds: its packed copies)
         out_console.print(line, highlight=False)
     for shape, rec in (m.build.get("acceptance") or {}).items():
         if isinstance(rec, dict) and isinstance(rec.get("reach"), list):
@@ -479,7 +479,7 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle directory"),
         size = sum(f.size for f in model.weight_files)
         out_console.print(f"weights {name}: {len(model.tensors)} tensors, {size / 1e6:.1f} MB, "
                           f"{len(model.weight_files)} rank file(s)")
-        for line in backend_class(m.backend).describe_model(m, name):  # (what the backend adds per model)
+        for line in backend_for(m).describe_model(m, name):  # (what the backend adds per model)
             out_console.print(f"  {line}", highlight=False)
 
 

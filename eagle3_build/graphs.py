@@ -17,6 +17,7 @@ from eagle3_runtime.graph_contract import ROLES, Role, graph_shape, plan_roles
 from eagle3_runtime.manifest import dtype_name, torch_dtype
 from eagle3_runtime.speculation import SpecShape
 
+from .models.accept import accept_greedy
 from .models.eagle3 import Eagle3Draft
 from .models.linear import UNPACKED, LinearMethod, using
 from .models.llama import Llama
@@ -30,6 +31,7 @@ class GraphSpec:
     shape: SpecShape  # the speculation shape it is built for (graph_contract.graph_shape)
     variant: SpecShape | None = None  # the menu shape a per-shape role's graph serves (GraphEntry.shape)
     context: int | None = None  # the KV slots a per-context role's graph reads (GraphEntry.context; None: all)
+    accept: str = "host"  # where greedy rows accept (Manifest.accept): "graph" adds the role's accept_outputs
 
     @property
     def contract(self) -> Role:
@@ -46,12 +48,15 @@ class GraphSpec:
     def tokens_per_call(self) -> int:
         return self.contract.tokens_per_call(self.bucket, self.shape)
 
+    def n_outputs(self) -> int:
+        return len(self.contract.outputs) + (len(self.contract.accept_outputs) if self.accept == "graph" else 0)
+
 
 def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape],
-                menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = ()
-                ) -> list[GraphSpec]:
+                menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = (),
+                accept: str = "host") -> list[GraphSpec]:
     """Every graph a bundle needs (graph_contract.plan_roles)."""
-    return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v, c)
+    return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v, c, accept if ROLES[r].accept_outputs else "host")
             for r, b, v, c in plan_roles(prefill_buckets, speculation, menu, contexts)]
 
 
@@ -83,18 +88,22 @@ class TargetPrefill(nn.Module):
 
 
 class TargetVerify(nn.Module):
-    """The N tree nodes of every row (a chain: N = K + 1 in a line) in one pass; node i at slot start + i."""
+    """The N tree nodes of every row (a chain: N = K + 1 in a line) in one pass; node i at slot start + i. With
+    accept "graph", also each row's greedy acceptance (models/accept.py)."""
 
-    def __init__(self, m: Llama, shape: SpecShape, context: int | None = None):
+    def __init__(self, m: Llama, shape: SpecShape, context: int | None = None, accept: str = "host"):
         super().__init__()
-        self.m, self.context = m, context
+        self.m, self.context, self.depth, self.accept = m, context, shape.depth, accept
 
     def forward(self, cache, rank, tokens, positions, start, tree_mask):
         b, N = tokens.shape
         slots = start[:, None] + _steps(N, start)
         h, aux = self.m(tokens, positions, cache, _rows(b, N, start), prefill=False, rank=rank, slots=slots,
                         start=start, tree_mask=tree_mask, context=self.context)
-        return self.m.logits(h), aux
+        logits = self.m.logits(h)
+        if self.accept == "host":
+            return logits, aux
+        return logits, aux, *accept_greedy(logits, tokens, tree_mask, self.depth)
 
 
 class TargetDecode(nn.Module):
@@ -187,4 +196,10 @@ def model_weight_names(model: nn.Module) -> list[str]:
 
 def build_graph_module(spec: GraphSpec, model: nn.Module) -> tuple[BoundGraph, list[str]]:
     names = model_weight_names(model)
-    return BoundGraph(ROLE_MODULES[spec.role](model, spec.shape, spec.context), names), names
+    return BoundGraph(role_module(spec, model), names), names
+
+
+def role_module(spec: GraphSpec, model: nn.Module) -> nn.Module:
+    """The module of a graph's role, for its shape, context and acceptance."""
+    extra = {"accept": spec.accept} if spec.contract.accept_outputs else {}
+    return ROLE_MODULES[spec.role](model, spec.shape, spec.context, **extra)

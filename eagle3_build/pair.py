@@ -52,7 +52,8 @@ def load_pair(pair: PairRecipe) -> LoadedPair:
 
 
 def graph_plan(pair: PairRecipe) -> list[GraphSpec]:
-    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes, pair.speculation.menu, pair.buckets.context)
+    return plan_graphs(pair.buckets.prefill, pair.speculation.shapes, pair.speculation.menu, pair.buckets.context,
+                       pair.speculation.accept)
 
 
 def layouts(pair: PairRecipe, t: TargetCheckpoint, d: DraftCheckpoint):
@@ -112,7 +113,7 @@ def contract_outputs(bm: BuildModels, spec: GraphSpec) -> list[TensorSpec]:
     outs = spec.contract.output_specs(spec.bucket, spec.shape,
                                       target_hidden=bm.models["target"][2].padded_hidden,
                                       draft_hidden=bm.models["draft"][2].padded_hidden,
-                                      vocab=bm.lp.target.args.vocab_size, dtype=pair.dtype)
+                                      vocab=bm.lp.target.args.vocab_size, dtype=pair.dtype, accept=spec.accept)
     return [TensorSpec(name=n, shape=sh, dtype=x) for n, sh, x in outs]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .backends.base import DTYPES, Graph, GraphRunner, RuntimeBackend, call_by_name  # noqa: F401 (re-exported)
-from .backends.registry import backend_class
+from .backends.registry import backend_for
 from .errors import Eagle3Error
 from .manifest import BundleError, Manifest
 from .reader import bundle_file, check_file, check_weight_header, read_manifest
@@ -26,7 +26,7 @@ def _other_ranks(manifest: Manifest, rank: int | None) -> set[str]:
 def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> None:
     """Every file (of one rank's weights only, when `rank` is given) against the manifest: present, its
     sha256, graph files holding nothing but a graph (the backend's check_graph_file); then check_contents."""
-    backend = backend_class(manifest.backend)
+    backend = backend_for(manifest)
     others = _other_ranks(manifest, rank)
     graphs = {g.file.path for g in manifest.graphs}
     for entry in manifest.all_files():
@@ -41,7 +41,7 @@ def verify_files(root: Path, manifest: Manifest, rank: int | None = None) -> Non
 def check_contents(root: Path, manifest: Manifest, rank: int | None = None) -> None:
     """What the files say they are against what the manifest says: every graph file's own signature
     (signature.py, read by the backend) and every weight file's header, read as data."""
-    backend = backend_class(manifest.backend)
+    backend = backend_for(manifest)
     for g in manifest.graphs:
         path = bundle_file(root, g.file.path)
         sig = backend.read_signature(path)
@@ -58,7 +58,7 @@ def check_contents(root: Path, manifest: Manifest, rank: int | None = None) -> N
 
 def check_memory(root: Path, m: Manifest) -> None:
     """KV caches held in host memory must fit in it."""
-    if not backend_class(m.backend).state_on_host:
+    if not backend_for(m).state_on_host:
         return
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if m.state_bytes() > memory:
@@ -79,7 +79,7 @@ class Bundle:
         self.manifest = m = read_manifest(self.root, pins)
         if not 0 <= rank < m.tp_degree:
             raise BundleError(f"{self.root}: rank {rank} outside this bundle's tp_degree {m.tp_degree}")
-        cls = backend_class(m.backend)
+        cls = backend_for(m)
         check_memory(self.root, m)
         held = cls.ranks_held(rank)
         if verify:

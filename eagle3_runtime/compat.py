@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .backends.registry import backend_class
+from .backends.registry import backend_for
 from .backends.base import BACKEND, BAD_BUNDLE, DEVICE, OK, SCHEMA, Check, world_size
 from .errors import Eagle3Error
 from .manifest import SCHEMA_VERSION, BundleError, Manifest, SchemaError
@@ -65,7 +65,7 @@ def check_bundle(root: Path, *, ranks: int | None = None, files: bool = False, b
     pinned = " (pinned)" if pins.any else ""
     v.checks.append(Check("schema", True, f"schema {SCHEMA_VERSION}, digest sha256:{m.digest}{pinned}"))
     try:
-        backend = backend_class(m.backend)
+        backend = backend_for(m)
         check_memory(Path(root), m)
     except BundleError as e:
         v.checks.append(Check("backend", False, str(e), BACKEND if "cannot be served" in str(e) else BAD_BUNDLE))

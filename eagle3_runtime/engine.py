@@ -12,7 +12,8 @@ bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest
     draft     the root's children from the last prefill / catch-up, then depth - 1 draft_step calls
               over the frontier (tree.py)
     verify    target runs the tree's N nodes (node i at KV slot p + i) in one pass
-    accept    greedy: the longest path of target-argmax tokens; sampled: the path of the target's own samples
+    accept    greedy: the longest path of target-argmax tokens (found by the verify graph itself where the
+              bundle accepts in the graph, Manifest.accept); sampled: the path of the target's own samples
               (sampling.verify_tree_sampled); the accepted nodes' KV moves to p..p+a
     catch-up  draft re-runs positions p..p+a with the target's aux states -> the next root's children
   rows past the speculation cutoff (graph_contract.can_speculate) take only the verify's first token (one
@@ -193,6 +194,7 @@ class Engine:
             raise Eagle3Error(f"--speculation {speculation[:40]!r}: choose one of {', '.join(MODES)} or a shape of "
                               f"this bundle ({', '.join(tags) or 'it has none'})")
         self.speculative = speculative and speculation != "none"
+        self.accept_in_graph = m.accept == "graph"  # greedy rows: the verify graph's path, else the host's
         # what each batch bucket runs without a chooser: its own shape, or the one --speculation names
         self.shapes: dict[int, SpecShape] = {
             b: next((s for s in m.shapes(b) if s.tag == speculation), m.speculation[b]) for b in self.batch_buckets}
@@ -598,6 +600,8 @@ class Engine:
                       start=start, tree_mask=mask)
         logits = v["logits"]
         self.target_passes += 1
+        if self.accept_in_graph:  # (one host copy each for the whole batch)
+            g_accepted, g_path, g_next = v["accepted"].tolist(), v["path"].tolist(), v["next_tokens"].tolist()
         # 3. accept per row; the accepted nodes' KV moves to slots p..p+a
         paths = torch.zeros(bsz, T, dtype=torch.int64)
         nxt = torch.zeros(bsz, T, dtype=torch.int64)
@@ -606,7 +610,10 @@ class Engine:
         for s, ok in zip(rows, spec):
             if ok:
                 t, p = trees[s.row], s.pos
-                if s.req.sampling.greedy:
+                if s.req.sampling.greedy and self.accept_in_graph:
+                    a = g_accepted[s.row]
+                    path, new = g_path[s.row][:a + 1], g_next[s.row][:a + 1]
+                elif s.req.sampling.greedy:
                     g = logits[s.row].argmax(-1).tolist()
                     path = accept_greedy(t, g)
                     new = [t.tokens[i] for i in path[1:]] + [g[path[-1]]]

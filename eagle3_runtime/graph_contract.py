@@ -25,6 +25,12 @@ from .speculation import SpecShape, all_shapes, bucket_shapes, merged_shape
 # position `positions`; it sees every committed slot < start and the scratch slots start + j with
 # tree_mask[i, j] != 0 (its ancestors and itself; an index dtype: Neuron takes no bool inputs).
 #
+# Greedy acceptance in the graph (Manifest.accept "graph"; ACCEPT): the verify graph also returns, per row,
+# what accepting its greedy path gives (eagle3_build/models/accept.py): `accepted` drafts, the accepted
+# `path` (node indices, root first, zero after it) and the `next_tokens` it emits (the path's tokens after the
+# root, then the target's token after its last node; zero after), the draft catch-up's inputs as they are.
+# "host": the runtime finds the path from the logits.
+#
 # Context buckets (NxDI's token-generation buckets): a per-context role also has one graph per entry c of
 # Manifest.context_buckets that reads only KV slots 0..c-1 (same inputs and outputs; attention over the
 # cache costs in proportion to the slots read). The engine calls the smallest one whose slots hold every
@@ -51,6 +57,7 @@ class Role:
     needs_depth: int = 0  # compiled for a bucket whose shape has at least this depth
     per_shape: bool = False  # one graph per shape of the bucket's menu (else one per bucket: merged_shape)
     per_context: bool = False  # also one graph per context bucket (attends over that many KV slots only)
+    accept_outputs: tuple[Port, ...] = ()  # after `outputs`, where the bundle accepts in the graph
 
     def graph_name(self, bucket: int, variant: SpecShape | None = None, context: int | None = None) -> str:
         """<role>_b<bucket> (prefill: _s<length>); a menu shape's own graph adds _<tag>, a context bucket's
@@ -65,9 +72,10 @@ class Role:
         return [(RANK.name, list(RANK.shape), RANK.dtype)] + [_resolve(p, dims, dtype, index_dtype) for p in self.inputs]
 
     def output_specs(self, bucket: int, shape: SpecShape, *, target_hidden: int, draft_hidden: int, vocab: int,
-                     dtype: str) -> list[tuple[str, list[int], str]]:
+                     dtype: str, accept: str = "host") -> list[tuple[str, list[int], str]]:
         dims = _dims(bucket, shape, target_hidden, draft_hidden, vocab)
-        return [_resolve(p, dims, dtype, "int64") for p in self.outputs]
+        ports = self.outputs + (self.accept_outputs if accept == "graph" else ())
+        return [_resolve(p, dims, dtype, "int64") for p in ports]
 
     def tokens_per_call(self, bucket: int, shape: SpecShape) -> int:
         (port,) = [p for p in self.inputs if p.name == self.token_input]
@@ -103,7 +111,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     Role("target_verify", "target", "batch",
          _ports("tokens[n,N]:index", "positions[n,N]:index", "start[n]:index", "tree_mask[n,N,N]:index"),
          _ports("logits[n,N,V]:float32", "aux[n,N,A]:model"), "tokens", needs_depth=1, per_shape=True,
-         per_context=True),
+         per_context=True, accept_outputs=_ports("accepted[n]:int64", "path[n,T]:int64", "next_tokens[n,T]:int64")),
     Role("target_decode", "target", "batch", _ports("tokens[n]:index", "pos[n]:index"),
          _ports("logits[n,V]:float32", "aux[n,A]:model"), "tokens", per_context=True),
     Role("draft_prefill", "draft", "prefill",
@@ -118,6 +126,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2,
          per_shape=True),
 )}
+ACCEPT = ("host", "graph")  # where a greedy row's verified tree is accepted (Manifest.accept)
 # derived views
 PREFILL_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "prefill")
 BATCH_ROLES = tuple(r.name for r in ROLES.values() if r.bucket_kind == "batch")

@@ -18,11 +18,11 @@ from pydantic import Field, field_validator, model_validator
 
 from .backends.facts import KNOWN, backend_facts
 from .errors import Eagle3Error
-from .graph_contract import (KV_DIMS, ROLE_MODEL, ROLES, graph_shape, kv_cache_length, kv_state_name,
+from .graph_contract import (ACCEPT, KV_DIMS, ROLE_MODEL, ROLES, graph_shape, kv_cache_length, kv_state_name,
                              min_max_model_len, pick_context, plan_roles)
 from .speculation import MAX_DEPTH, MAX_MENU, Capped, SpecShape, Strict, all_shapes, bucket_shapes
 
-SCHEMA_VERSION = 9  # bump on any incompatible change (history: docs/manifest-schema.md)
+SCHEMA_VERSION = 10  # bump on any incompatible change (history: docs/manifest-schema.md)
 MANIFEST = "manifest.json"
 
 # ------------------------------------------------------------------ dtypes
@@ -182,6 +182,7 @@ class Manifest(Strict):
     prefill_buckets: Capped(list[Count], 64) = Field(min_length=1)
     batch_buckets: Capped(list[Count], 64) = Field(min_length=1)
     context_buckets: Capped(list[Count], 64) = []  # KV slots the per-context roles' extra graphs read
+    accept: Literal[ACCEPT] = "host"  # type: ignore[valid-type]  # greedy acceptance: in the verify graph or on the host
     aux_layer_ids: Capped(list[int], 64)
     vocab_size: Count
     eos_token_ids: Capped(list[int], 1024)
@@ -213,10 +214,10 @@ class Manifest(Strict):
             if g.model != ROLE_MODEL[g.role] or states.get(g.model) != g.state:
                 raise ValueError(f"graph {g.name}: model {g.model!r} / state {g.state!r} do not match its role "
                                  f"({ROLE_MODEL[g.role]}, state {states.get(ROLE_MODEL[g.role])!r})")
-            fmt, want = g.backend.get("format"), backend_facts(self.backend).graph_format
-            if want is not None and fmt != want:
+            fmt, want = g.backend.get("format"), backend_facts(self.backend).graph_formats()
+            if want and fmt not in want:
                 raise ValueError(f"graph {g.name}: its file is a {fmt!r} graph, a {self.backend} bundle's graphs are "
-                                 f"{want!r}")
+                                 f"{' or '.join(map(repr, want))}")
             _check_ports(self, g)
             _check_weights(self, g, weights.setdefault(g.model, g.weights))
         if self.digest and not DIGEST_RE.fullmatch(self.digest):
@@ -392,7 +393,7 @@ def _check_ports(m: Manifest, g: GraphEntry) -> None:
     hidden = {f"{name}_hidden": m.models[name].layout_int("padded_hidden") for name in m.models}
     index_dtype = backend_facts(m.backend).index_dtype
     want = (role.input_specs(g.bucket, shape, **hidden, dtype=m.dtype, index_dtype=index_dtype),
-            role.output_specs(g.bucket, shape, **hidden, vocab=m.vocab_size, dtype=m.dtype))
+            role.output_specs(g.bucket, shape, **hidden, vocab=m.vocab_size, dtype=m.dtype, accept=m.accept))
     for kind, specs, ports in (("inputs", g.inputs, want[0]), ("outputs", g.outputs, want[1])):
         have = [(s.name, s.shape, s.dtype) for s in specs]
         if have != [(n, sh, dt) for n, sh, dt in ports]:

@@ -64,10 +64,22 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_family_model() -> str | None:
+    """"family F model M" from /proc/cpuinfo (a model name like "AMD EPYC" names several generations), or None."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # (the first CPU's block)
+    except OSError:
+        return None
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    family, model = fields.get("cpu family"), fields.get("model")
+    return f"family {family} model {model}" if family and model else None
+
+
 def cpu_description() -> str:
-    """The CPU's model name and the vector ISA torch runs on it ("AMD EPYC" names both AVX2 and AVX-512 parts):
-    what a measurement names its host by."""
-    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    """The CPU's model name, family / model and the vector ISA torch runs on it ("AMD EPYC" names Zen 3, 4 and 5,
+    AVX2 and AVX-512 parts): what a measurement names its host by."""
+    fm = cpu_family_model()
+    return f"{cpu_model()} ({fm + ', ' if fm else ''}{torch.backends.cpu.get_cpu_capability()})"
 
 
 def pack_available(fmt: str) -> bool:

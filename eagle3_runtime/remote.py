@@ -136,7 +136,7 @@ def resolve_bundle(ref: str | os.PathLike, pins: Pins = Pins(), trust_remote_cod
 def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code: bool = False) -> None:
     """The manifest and the user's pins; for native-code graphs an explicit pin, before any graph file is
     read; then every file present and matching."""
-    from .backends.registry import backend_class
+    from .backends.registry import backend_for
     from .bundle import verify_files
     from .reader import bundle_file, read_manifest
 
@@ -144,7 +144,7 @@ def verify_download(root: Path, uri: str, pins: Pins = Pins(), trust_remote_code
         m = read_manifest(root, pins)
     except BundleError as e:
         raise RemoteError(f"{uri}: the fetched bundle does not verify: {e}") from e
-    if backend_class(m.backend).native_code and not pins.any and not trust_remote_code:
+    if backend_for(m).native_code and not pins.any and not trust_remote_code:
         signed = " or --verify-signature KEY.pub (the bundle is signed)" if (root / SIGNATURE).is_file() else ""
         raise RemoteError(f"{uri}: this bundle's graphs are native code ({m.backend}) and nothing pins it; pass "
                           f"--expect-digest sha256:{m.digest} once you have checked that digest with whoever "

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .backends.registry import backend_class
+from .backends.registry import backend_for
 from .backends.base import DTYPES, GraphRunner, TPContext
 from .bundle import Bundle
 from .errors import Eagle3Error, whole_number
@@ -172,7 +172,7 @@ def open_bundle(ref: str | Path, expect_digest: str | None = None, public_key: s
     manifest = read_manifest(Path(path), p)
     text = load_text(Path(path)) if os.environ.get("RANK", "0") == "0" else None  # (before the slow part)
     try:
-        ctx = backend_class(manifest.backend).join_world(manifest, os.environ)
+        ctx = backend_for(manifest).join_world(manifest, os.environ)
     except BaseException:
         _close_text(text)
         raise

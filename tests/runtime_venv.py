@@ -1,7 +1,12 @@
 """The runtime-only venvs of tests/test_runtime_install.py: a fresh venv with `pip install -c requirements-dev.txt
 ./eagle3_runtime` and nothing else, or with `--torch VERSION` that torch instead of the dev pin (the Neuron SDK's
 2.9: PyPI's build). No pytest here: `make test` runs `python3 tests/runtime_venv.py DIR [--torch VERSION]` with
-the bare interpreter while .venv is still being installed (DIR/.installed or DIR/.failed when done)."""
+the bare interpreter while .venv is still being installed (DIR/.installed or DIR/.failed when done).
+
+On another torch the install goes through uv: its cache hard-links the files into the venv, so PyPI's torch 2.9
+and its CUDA libraries (~6 GB unpacked) are on disk once for this venv and .venv-neuron-stack (which uv installs
+from the same cache), not three times (pip's cache of the wheels, then a copy per venv): a CI host with ~15 GB
+free ran out of disk with pip."""
 from __future__ import annotations
 
 import os
@@ -44,8 +49,26 @@ def make_runtime_venv(venv: Path, torch_version: str | None = None) -> float:
         pins = venv / "constraints.txt"
         pins.write_text("".join(line for line in (REPO / "requirements-dev.txt").read_text().splitlines(True)
                                 if not line.startswith("torch==")) + f"torch=={torch_version}\n")
-    pip(venv, "install", "-q", "--no-compile", "-c", str(pins), str(src), timeout=1800)
+    if torch_version:
+        uv(venv, "install", "-q", "-c", str(pins), str(src), timeout=1800)
+    else:
+        pip(venv, "install", "-q", "--no-compile", "-c", str(pins), str(src), timeout=1800)
     return time.monotonic() - t0
+
+
+def uv(venv: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """uv's pip interface acting on `venv`: uv from PATH or the dev venv, else installed beside `venv` (PyPI `uv`)."""
+    exe = shutil.which("uv") or str(REPO / ".venv" / "bin" / "uv")
+    if not os.access(exe, os.X_OK):
+        tools = venv.parent / f"{venv.name}-uv"
+        pip_cmd = [sys.executable, "-m", "pip", "install", "-q", "--target", str(tools), "uv"]
+        subprocess.run(pip_cmd, check=True, capture_output=True, timeout=600, env=_env())
+        exe = str(tools / "bin" / "uv")
+    cmd = [exe, "pip", *args[:1], "--python", str(venv / "bin" / "python"), *args[1:]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
 
 
 if __name__ == "__main__":

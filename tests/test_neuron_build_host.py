@@ -60,7 +60,7 @@ def test_a_priority_key_that_misses_a_weight_is_refused(standin_sdk, tmp_path, m
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_modelbuilders_compiler_pool_is_bounded_by_jobs(standin_sdk, tmp_path, jobs):
     """ModelBuilder compiles through an unbounded ThreadPoolExecutor; --jobs bounds the neuronx-cc jobs."""
-    pair = neuron_pair(tmp_path, 2, options={"job_memory_gb": 1})  # (two 16 GB jobs would not fit this host)
+    pair = neuron_pair(tmp_path, 2)
     build(pair, tmp_path / "bundle", tmp_path / "cache", jobs=jobs)
     assert COMPILES["calls"] >= 6 and COMPILES["most"] == jobs
 
@@ -80,7 +80,7 @@ def test_a_build_that_does_not_fit_the_hosts_memory_is_refused_before_it_starts(
     from eagle3_build.backends.neuron import bundle
 
     monkeypatch.setattr(bundle, "available_memory_gb", lambda: 10.0)
-    pair = neuron_pair(tmp_path, 2)
+    pair = neuron_pair(tmp_path, 2, options={})  # (neuronx-cc's default job memory)
     with pytest.raises(UserError, match=r"needs about 19\.0 GB of memory at --jobs 1 \(ModelBuilder target: .*\) and "
                                         r"this host has 10\.0 GB available; build on a host with at least 19 GB free, "
                                         r"or set backend_options\.job_memory_gb"):

@@ -28,14 +28,18 @@ PROMPTS = [[0, 333, 223, 83, 87, 75, 493, 279], [0, 45, 12, 99, 7], [0, 250, 251
 MAX_TOKENS = [20, 6, 13]  # different lengths: rows finish early and the last row moves down
 
 
+STANDIN_OPTIONS = {"job_memory_gb": 1}  # the stand-in compiler's jobs take megabytes, not neuronx-cc's 16 GB default
+
+
 def neuron_pair(tmp_path, tp, arch="llama", options=None, **pair_kw):
+    """A tiny pair for backend neuron (`options`: its backend_options; STANDIN_OPTIONS when not given)."""
     from eagle3_build.recipe import load_recipe
     from eagle3_build.testing.tiny import make_tiny_pair
 
     pair = load_recipe(make_tiny_pair(tmp_path / "pair", tp_degree=tp, arch=arch, **pair_kw)).pairs[0]
     shape = pair.speculation.shapes[1]
     return pair.model_copy(update={
-        "backend": "neuron", "backend_options": options or {},
+        "backend": "neuron", "backend_options": STANDIN_OPTIONS if options is None else options,
         "serving": pair.serving.model_copy(update={"max_num_seqs": 2}),
         "buckets": pair.buckets.model_copy(update={"batch": [1, 2]}),
         "speculation": pair.speculation.model_copy(update={"shapes": {1: shape, 2: shape}})})

@@ -49,7 +49,6 @@ What was measured with torch 2.9.0 / torch-xla 2.9.0 on CPU (one PJRT device, re
 from __future__ import annotations
 
 import atexit
-import contextlib
 import glob
 import json
 import os
@@ -57,7 +56,6 @@ import re
 import shutil
 import sys
 import tempfile
-from unittest import mock
 
 # --- XLA's own HLO dump (the only place aliasing is visible); must precede the PJRT client --------
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -79,37 +77,10 @@ import torch_xla.runtime as xr  # noqa: E402
 _X = torch_xla._XLAC
 
 
-# --- world size / NxD mappings --------------------------------------------------------------------
-@contextlib.contextmanager
-def tp_world(tp: int):
-    """Make torch-xla believe the world has `tp` replicas while tracing (as NxD's ModelBuilder does),
-    so that xm.all_reduce is not elided. `xr` is `torch_xla.runtime`, so this also covers
-    `xr.world_size`; `xm.xrt_world_size` is patched only where it still exists (not in 2.9)."""
-    with contextlib.ExitStack() as st:
-        st.enter_context(mock.patch.object(xr, "world_size", lambda: tp))
-        if hasattr(xm, "xrt_world_size"):
-            st.enter_context(mock.patch.object(xm, "xrt_world_size", lambda *a, **k: tp))
-        yield
-
-
-class NxdMappingsShim:
-    """The two NxD tensor-parallel mappings, lowered the way NxD does on device
-    (parallel_layers/comm.py passes a tensor list and the group mesh as `groups`).
-    Also answers the product's `Comm` ops interface (`all_reduce`, `gather_last`)."""
-
-    def __init__(self, tp: int):
-        self.tp = tp
-        self.groups = [list(range(tp))]
-
-    def reduce_from_tensor_model_parallel_region(self, x: torch.Tensor) -> torch.Tensor:
-        # list form: in place on x, tuple all-reduce with the token, constrain_layout=true
-        return xm.all_reduce(xm.REDUCE_SUM, [x], groups=self.groups)[0]
-
-    def gather_from_tensor_model_parallel_region(self, x: torch.Tensor) -> torch.Tensor:
-        return xm.all_gather(x, dim=x.dim() - 1, groups=self.groups, pin_layout=False)
-
-    all_reduce = reduce_from_tensor_model_parallel_region
-    gather_last = gather_from_tensor_model_parallel_region
+# --- world size / NxD mappings: the builder's own (the NEFF generation lowers with them) ------------
+from eagle3_build.backends.neuron.xla_internals import XlaCollectives as NxdMappingsShim  # noqa: E402
+from eagle3_build.backends.neuron.xla_internals import reset_token as _reset_collective_token  # noqa: E402
+from eagle3_build.backends.neuron.xla_internals import tp_world  # noqa: E402
 
 
 def nxd_mappings_shim(tp: int) -> NxdMappingsShim:
@@ -134,14 +105,6 @@ def _get_state(module: torch.nn.Module, name: str) -> torch.Tensor:
         return module.get_parameter(name)
     except AttributeError:
         return module.get_buffer(name)
-
-
-def _reset_collective_token() -> None:
-    """Drop torch-xla's collective-ordering token. Every collective takes the device's token as an
-    operand and replaces it; only torch_xla.sync()/mark_step resets it (`_xla_sync_multi` does not,
-    nor does a sync that raised). Without this, a second graph traced in the same process silently
-    contains the previous graph's collectives through the token chain (measured)."""
-    _X._set_all_reduce_token(xm._get_device_context().device, None)
 
 
 def _dump_files() -> set[str]:

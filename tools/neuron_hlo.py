@@ -348,7 +348,8 @@ def run_pair(label: str, kw: dict, work: Path, session: Session) -> dict:
     info: dict = {"pair": label}
     try:
         recipe = make_tiny_pair(work / label / "pair", tp_degree=TP, **kw)
-        pair = load_recipe(recipe).pairs[0].model_copy(update={"backend": "neuron", "backend_options": {}})
+        pair = load_recipe(recipe).pairs[0].model_copy(update={  # (no neuronx-cc job runs here)
+            "backend": "neuron", "backend_options": {"job_memory_gb": 1}})
         if label in TREES:
             from eagle3_build.recipe import Speculation
             from eagle3_runtime.speculation import dynamic_tree

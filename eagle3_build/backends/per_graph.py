@@ -57,7 +57,7 @@ def trace_graphs(bm: BuildModels, backend, cache: CompileCache, layouts, specs: 
         ins = step_inputs(spec, target_hidden=t_layout.padded_hidden, draft_hidden=d_layout.padded_hidden,
                           dtype=dtype)
         inputs = [TensorSpec(name=n, shape=s, dtype=dtype_name(x)) for n, s, x in ins]
-        tkey = trace_key({**common, "backend": fields, "role": spec.role, "bucket": spec.bucket,
+        tkey = trace_key({**common, "backend": fields, "role": spec.role, "bucket": spec.bucket, "accept": spec.accept,
                           "shape": spec.shape.model_dump(), **({"context": spec.context} if spec.context else {}),
                           "weights": [bm.weight_shapes[q][0] for q in qnames if q in bm.weight_shapes]})
         memo = cache.get_trace(tkey)

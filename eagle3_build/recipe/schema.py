@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from eagle3_runtime.backends.facts import BACKENDS, DEFAULT_BACKEND
+from eagle3_runtime.graph_contract import ACCEPT
 from eagle3_runtime.manifest import MAX_DIM, MODEL_DTYPES
 from eagle3_runtime.speculation import MAX_NODES, SpecShape, all_shapes
 
@@ -86,6 +87,7 @@ class Speculation(_Frozen):
     num_speculative_tokens: int  # the deepest shape's depth (menus too)
     shapes: dict[int, SpecShape]  # per batch bucket (speculation.SpecShape)
     menu: dict[int, list[SpecShape]] = {}  # per speculating batch bucket: more shapes (manifest.Manifest.menu)
+    accept: Literal[ACCEPT] = "graph"  # type: ignore[valid-type]  # greedy acceptance (manifest.Manifest.accept)
 
     def scratch(self) -> int:
         return max(s.scratch for s in all_shapes(self.shapes, self.menu))
@@ -193,6 +195,9 @@ class RawSpeculation(Raw):
     # more shapes for every speculating batch bucket, chosen among on the serving host (--speculation auto):
     # "auto" (checks.AUTO_MENU) or a list of sections (chains or trees); checked by check_speculation
     menu: Any = None
+    # where greedy rows accept: "graph" (in the verify graph: a few integers per row come back) or "host" (from the
+    # full logits); sampled rows always accept on the host
+    accept: Literal[ACCEPT] = "graph"  # type: ignore[valid-type]
 
 
 class RawPair(Raw):

@@ -228,9 +228,9 @@ def skip_reason(manifest: Manifest) -> str | None:
     if manifest.tp_degree != 1:
         return (f"the bundle is TP {manifest.tp_degree}; verify runs TP-1 bundles in one process (build a "
                 "tp_degree 1 variant of the pair to verify the checkpoints, or run eagle3-run under torchrun)")
-    from eagle3_runtime.backends.registry import backend_class
+    from eagle3_runtime.backends.registry import backend_for
 
-    refused = [c.detail for c in backend_class(manifest.backend).host_checks(manifest, os.environ) if not c.ok]
+    refused = [c.detail for c in backend_for(manifest).host_checks(manifest, os.environ) if not c.ok]
     if refused:
         return f"the bundle's graphs cannot run on this host ({refused[0]})"
     return None

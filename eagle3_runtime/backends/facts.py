@@ -22,6 +22,11 @@ class BackendFacts:
         """The SDK packages (pip names) not installed, read without importing them."""
         return []
 
+    @classmethod
+    def graph_formats(cls) -> tuple[str, ...]:
+        """Every GraphEntry.backend["format"] its bundles may have (one per SDK generation)."""
+        return (cls.graph_format,) if cls.graph_format else ()
+
 
 class ExportFacts(BackendFacts):
     name = "export"
@@ -39,12 +44,16 @@ class NeuronFacts(BackendFacts):
     name = "neuron"
     graph_format = "nxd-model"
     index_dtype = "int32"  # NxDI's input_generator
-    options = ("compiler_args", "role_compiler_args", "fold_env_flags", "job_memory_gb")
+    options = ("compiler_args", "role_compiler_args", "fold_env_flags", "job_memory_gb", "generation")
     sdk = tuple(pip for _, pip in neuron_sdk.NEURON_SDK.values())
 
     @classmethod
     def missing_sdk(cls) -> list[str]:
         return neuron_sdk.missing()
+
+    @classmethod
+    def graph_formats(cls) -> tuple[str, ...]:
+        return (cls.graph_format, neuron_sdk.NEFF_FORMAT)
 
 
 KNOWN = {f.name: f for f in (ExportFacts, AotiFacts, NeuronFacts)}

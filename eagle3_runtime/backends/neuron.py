@@ -233,6 +233,8 @@ def check_host(m: Manifest, *, environ: dict | None = None, devices: list[str] |
     tc = m.toolchain
     needed = list(SDK.values())
     missing = [PIP_NAMES[k] for k in needed if k not in versions]
+    if missing and probe_imports and neuron_sdk.serving_generation() == neuron_sdk.NEFF_GENERATION:
+        raise NeuronHostError(neuron_sdk.generation_refusal(neuron_sdk.NXD_GENERATION, neuron_sdk.NEFF_GENERATION))
     if missing:
         pins = ", ".join(f"{PIP_NAMES[k]}=={tc.get(k)}" for k in needed)
         raise NeuronHostError(f"this bundle's graphs are NEFFs and {', '.join(missing)} "
@@ -335,7 +337,8 @@ class NeuronBackend(NeuronFacts, RuntimeBackend):
             check_host(m, environ=environ)
         except NeuronHostError as e:
             msg = str(e)
-            return [Check("backend", False, msg, BACKEND if ("not installed" in msg or "compiled with" in msg)
+            return [Check("backend", False, msg, BACKEND if ("not installed" in msg or "compiled with" in msg
+                                                                 or "generation" in msg)
                           else DEVICE)]
         return [Check("backend", True, f"neuron SDK {m.toolchain.get('neuronx_cc')} matches, NeuronCores available")]
 

@@ -11,6 +11,7 @@ from .facts import BACKENDS
 CLASSES = {"export": ("export", "ExportBackend"), "aoti": ("aoti", "AotiBackend"),
            "neuron": ("neuron", "NeuronBackend")}
 SERVABLE = BACKENDS
+GENERATIONS = {("neuron", "neff"): ("neuron_neff", "NeuronNeffBackend")}  # (backend, generation) -> (module, class)
 
 
 def backend_class(name: str) -> type[RuntimeBackend]:
@@ -19,3 +20,11 @@ def backend_class(name: str) -> type[RuntimeBackend]:
         raise BundleError(f"backend {name!r} cannot be served by this runtime (available: {', '.join(SERVABLE)})")
     module, cls = CLASSES[name]
     return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+def backend_for(m) -> type[RuntimeBackend]:
+    """The runtime backend for a manifest: its `backend`, and for neuron its SDK generation (toolchain)."""
+    gen = GENERATIONS.get((m.backend, m.toolchain.get("neuron_generation")))
+    if gen is None:
+        return backend_class(m.backend)
+    return getattr(importlib.import_module(f"{__package__}.{gen[0]}"), gen[1])

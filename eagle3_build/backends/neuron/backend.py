@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from eagle3_runtime.backends.neuron_sdk import NEURON_SDK, NXDI
+from eagle3_runtime.backends import neuron_sdk
+from eagle3_runtime.backends.neuron_sdk import GENERATIONS, NEFF_GENERATION, NEURON_SDK, NXD_GENERATION, NXDI
 from eagle3_runtime.backends.neuron import COMPACT_FIELD, KV_COMPACT, KV_MOVE, NXD_FORMAT
 from eagle3_runtime.graph_contract import ROLES
 
 from ...errors import UserError
 from ...recipe import check_backend_options
 from ..base import Backend
-from . import bundle
-from .releases import SDK_PACKAGES, identify
+from . import bundle, neff
+from .releases import SDK_PACKAGES, SdkRelease, identify
 from .model import (INDEX_DTYPE, NAME, SUFFIX, ModelGraphs, _no_checkpoint, compiler_args, flag_value, key_instance,
                     key_module, key_role, neuron_devices, neuronx_cc_command, priority_key, sdk_versions,
                     spec_key)
@@ -35,8 +36,13 @@ class NeuronBackend(Backend):
 
     def __init__(self, backend_options: dict):
         check_backend_options(NAME, backend_options)
-        self.versions = sdk_versions()  # fails fast, before any checkpoint is read
-        self.sdk = identify(self.versions)  # (a mixed stack is refused here)
+        self.generation = generation(backend_options)
+        if self.generation == NEFF_GENERATION:
+            self.versions = neff_sdk_versions()
+            self.sdk = SdkRelease("unknown")  # (the release table ends with the NxD generation)
+        else:
+            self.versions = sdk_versions()  # fails fast, before any checkpoint is read
+            self.sdk = identify(self.versions)  # (a mixed stack is refused here)
         self.release = self.sdk.name
         self.role_args = {role: compiler_args(backend_options, role, neuronx_cc=self.versions["neuronx-cc"])
                           for role in [*ROLES, KV_MOVE, KV_COMPACT]}
@@ -48,21 +54,31 @@ class NeuronBackend(Backend):
                flag_value(first, "--lnc") for a in self.role_args.values()):
             raise UserError("backend_options.role_compiler_args: --target and --lnc must be the same for every role "
                             "(one bundle runs on one instance type)")
+        if self.target not in neff.TARGETS:
+            raise UserError(f"backend_options: --target {self.target} is not a Neuron target; use one of "
+                            f"{', '.join(neff.TARGETS)}")
+        self.neff_args = neff.neff_args(self.target, self.lnc, self.versions.get("neuronx-cc"))
 
     def version(self) -> str:
-        return self.versions["torch-neuronx"]
+        return self.versions["neuronx-cc" if self.generation == NEFF_GENERATION else "torch-neuronx"]
 
     def toolchain(self) -> dict[str, str]:
-        versions = {key: self.versions[pip] for key, pip in NEURON_SDK.values()}
+        if self.generation == NEFF_GENERATION:
+            versions = {key: self.versions[pip] for key, pip in neuron_sdk.NEFF_SDK.values() if pip in self.versions}
+        else:
+            versions = {key: self.versions[pip] for key, pip in NEURON_SDK.values()}
         if NXDI in self.versions:  # (not used by the build: it names the release where two share the rest)
             versions[NXDI.replace("-", "_")] = self.versions[NXDI]
-        return {**versions, "neuron_sdk_release": self.release, "neuron_target": self.target,
-                "neuron_lnc": str(self.lnc)}
+        return {**versions, "neuron_generation": self.generation, "neuron_sdk_release": self.release,
+                "neuron_target": self.target, "neuron_lnc": str(self.lnc)}
 
     JOB_MEMORY_GB = JOB_MEMORY_GB  # (memory.py: the build sizes its compiler jobs from the host's memory itself)
     ESTIMATE_S = 600.0  # neuronx-cc for a decode-sized graph
 
     def key_fields(self, role: str) -> dict:
+        if self.generation == NEFF_GENERATION:
+            return {"name": NAME, "generation": self.generation, "versions": dict(sorted(self.versions.items())),
+                    "compiler_args": self.neff_args, "target": self.target}
         return {"name": NAME, "versions": {pip: self.versions[pip] for pip in SDK_PACKAGES},
                 "compiler_args": self.role_args[role]}
 
@@ -71,7 +87,10 @@ class NeuronBackend(Backend):
 
     def compile_model(self, mg: ModelGraphs, tp: int, out_dir: Path, jobs: int = 1) -> dict:
         """Trace and compile every key of one model with ModelBuilder into out_dir/<model>.pt plus
-        out_dir/<graph>.neff, at most `jobs` neuronx-cc jobs at once; returns the per-graph backend info."""
+        out_dir/<graph>.neff, at most `jobs` neuronx-cc jobs at once; returns the per-graph backend info.
+        The NEFF generation: each graph lowered to out_dir/<graph>.hlo and compiled by the neuronx-cc CLI (neff.py)."""
+        if self.generation == NEFF_GENERATION:
+            return neff.compile_model(mg, tp, out_dir, self.target, self.neff_args, jobs)
         from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
 
         mg.check_routing()
@@ -128,21 +147,46 @@ class NeuronBackend(Backend):
     # ---- plan (no SDK needed)
     @classmethod
     def plan_compiler_args(cls, pair) -> dict[str, list[str]] | None:
-        return {role: compiler_args(pair.backend_options, role) for role in ROLES}
+        args = PlanArgs({role: compiler_args(pair.backend_options, role) for role in ROLES})
+        args.generation = generation(pair.backend_options, strict=False)
+        if args.generation == NEFF_GENERATION:
+            first = next(iter(args.values()))
+            args.target = flag_value(first, "--target") or "trn2"
+            flags = neff.neff_args(args.target, int(flag_value(first, "--lnc") or 2),
+                                   neuron_sdk.distribution_version("neuronx-cc") or NEFF_COMPILER)
+            args.update({role: flags for role in args})
+        return args
 
     @classmethod
     def plan_graph(cls, spec, cc_args) -> dict:
+        if getattr(cc_args, "generation", None) == NEFF_GENERATION:
+            return {"artifact": f"graphs/{spec.name}.neff",
+                    "compiler_command": shlex.join(neff.compile_argv(spec.name, cc_args.target, cc_args[spec.role]))}
         return {"artifact": f"graphs/{spec.name}.neff",
                 "compiler_command": neuronx_cc_command(spec.name, cc_args[spec.role])}
 
     @classmethod
     def plan_details(cls, bm, backend, cache, cc_args) -> dict:
-        """neuronx-cc's flags per graph role, one NxD ModelBuilder per model."""
-        return {"compiler_args": cc_args, "builders": bundle.plan_builders(bm, backend, cache, cc_args)}
+        """neuronx-cc's flags per graph role, one NxD ModelBuilder per model (the NxD generation); the HLO and
+        compiler command of each model's kv_move / kv_compact NEFFs too (the NEFF generation)."""
+        gen = getattr(cc_args, "generation", NXD_GENERATION)
+        if gen == NEFF_GENERATION:
+            models = bundle.spmd_models(bm)
+            extra = [shlex.join(neff.compile_argv(name, cc_args.target, next(iter(cc_args.values()))))
+                     for sm in models.values() for name, key, _ in neff.units(sm.graphs) if key in (KV_MOVE, KV_COMPACT)]
+            return {"generation": gen, "compiler_args": dict(cc_args), "state_commands": extra}
+        return {"generation": gen, "compiler_args": cc_args,
+                "builders": bundle.plan_builders(bm, backend, cache, cc_args)}
 
     @classmethod
     def describe_plan(cls, plan: dict) -> list[str]:
-        lines = []
+        gen = plan.get("generation", NXD_GENERATION)
+        lines = [f"Neuron SDK generation {gen} ({GENERATIONS[gen]})"]
+        if gen == NEFF_GENERATION:
+            lines.append("neuronx-cc commands (one NEFF per graph, every rank; run in graphs/ on the HLO torch-xla "
+                         "lowers on this host):")
+            return lines + [f"  {g['compiler_command']}" for g in plan["graphs"]] + [
+                f"  {c}" for c in plan.get("state_commands", [])]
         builders = plan.get("builders") or []
         if builders:
             mem = [b["memory"] for b in builders]
@@ -162,6 +206,40 @@ class NeuronBackend(Backend):
                 lines.append(f"  key {k['key']}: buckets {k['buckets']}{prio}; {shlex.join(k['compiler_args'])}")
         lines.append("neuronx-cc commands (one NEFF per graph, compiled by ModelBuilder.trace):")
         return lines + [f"  {g['compiler_command']}" for g in plan["graphs"]]
+
+
+NEFF_COMPILER = "2.27.5334.0"  # neuronx-cc of SDK 2.32, the first of the NEFF generation (plan without the SDK)
+
+
+class PlanArgs(dict):
+    """plan_compiler_args' role -> flags, with the generation (and, for NEFF, the target) the plan is for."""
+
+    generation: str = NXD_GENERATION
+    target: str = "trn2"
+
+
+def generation(backend_options: dict, strict: bool = True) -> str:
+    """The SDK generation to build for: backend_options.generation, else the one this host's SDK packages are,
+    else the NxD generation (whose checks name what to install)."""
+    gen = backend_options.get("generation") or neuron_sdk.host_generation() or NXD_GENERATION
+    if gen not in GENERATIONS:
+        if strict:
+            raise UserError(f"backend_options.generation: {gen!r} is not a Neuron SDK generation; use "
+                            + " or ".join(f"{g!r} ({d})" for g, d in GENERATIONS.items()))
+        return NXD_GENERATION
+    return gen
+
+
+def neff_sdk_versions() -> dict[str, str]:
+    """pip name -> version of the NEFF generation's packages here (neuronx-cc needed; libneuronxla and nrtpy
+    recorded where installed); UserError naming what is missing."""
+    found = neuron_sdk.generation_versions()
+    if "neuronx-cc" not in found:
+        raise UserError("the NEFF generation of backend neuron (Neuron SDK 2.32 +) needs neuronx-cc, which is not "
+                        "installed (or only PyPI's placeholder): install the Neuron SDK's neuronx-cc from "
+                        "pip.repos.neuron.amazonaws.com, or build with backend_options.generation: nxd on an SDK "
+                        "2.27 - 2.31 host")
+    return found
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_runtime.backends.neuron_sdk import NEFF_GENERATION
 from eagle3_runtime.manifest import GraphEntry, TensorSpec, dtype_name, file_entry, torch_dtype
 
 from ...compile.cache import FETCH_TRIES, CompileCache, trace_key, vanishing
@@ -21,6 +22,7 @@ from ...models.weights import weight_tensors
 from ...pair import BuildModels, Report, contract_outputs, graph_plan, jsonable, model_entry
 from ...sharding import tensor_plan, write_rank_files
 from ..base import Written
+from . import neff
 from .memory import BuilderMemory, build_jobs, job_memory_gb
 from .model import (INDEX_DTYPE, RANK_WEIGHT, ModelGraphs, compiler_args, key_role, priority_key, spec_key,
                     rank_weights, shard_file, weight_dtype, weight_key)
@@ -66,12 +68,12 @@ def spmd_models(bm: BuildModels, backend=None) -> dict[str, SpmdModel]:
             inputs[spec.name] = [TensorSpec(name=n, shape=sh, dtype=dtype_name(x)) for n, sh, x in ins]
         state = bm.state[name]
         mg = ModelGraphs(name, model, shapes, (state.shape, torch_dtype(state.dtype)), graphs,
-                         n_out=max(len(sp.contract.outputs) for sp, _ in graphs))
+                         n_out=max(sp.n_outputs() for sp, _ in graphs))
         key = "" if backend is None else trace_key({
             "spmd_model": name, "dtype": pair.dtype, "B": pair.serving.max_num_seqs,
             "state": state.model_dump(), "tp": tp, "class": type(model).__name__,
             "args": jsonable(dataclasses.asdict(ckpt.args)), "layout": layout.to_dict(),
-            "graphs": [[spec_key(sp), sp.bucket, sp.shape.model_dump(), [[n, sh, str(x)] for n, sh, x in ins]]
+            "graphs": [[spec_key(sp), sp.bucket, sp.shape.model_dump(), sp.accept, [[n, sh, str(x)] for n, sh, x in ins]]
                        for sp, ins in graphs],
             "weights": {n: [sh, str(x)] for n, (sh, x) in shapes.items()},
             "backend": {k: backend.key_fields(key_role(k)) for k in mg.keys()}})
@@ -87,9 +89,11 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
     tp = pair.parallel.tp_degree
     graph_entries, extra_files, model_entries, timings, status = [], [], {}, {}, {}
     models = spmd_models(bm, backend)
+    neff_gen = backend.generation == NEFF_GENERATION  # (one NEFF per graph: nothing routed by shapes)
     for sm in models.values():  # before anything compiles
-        sm.graphs.check_routing()
-        priority_key(sm.graphs, tp)
+        if not neff_gen:
+            sm.graphs.check_routing()
+            priority_key(sm.graphs, tp)
     misses = [sm.memory() for sm in models.values() if cache.get(sm.key, check=False) is None]
     jobs = build_jobs(misses, jobs, available_memory_gb(), backend.job_memory_gb, pair.name)
     report({"event": "stage", "stage": "graphs", "total": len(graph_plan(pair)), "jobs": jobs})
@@ -101,16 +105,20 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
         entry, status[name] = _fetch_model(sm, name, backend, cache, tp, jobs, report, require_cached,
                                            root / "graphs")
         info = entry.meta["info"]
-        extra_files += [root / "graphs" / fname for fname in entry.files if fname.endswith(".neff")]
-        model_file = file_entry(root, root / "graphs" / f"{name}{backend.SUFFIX}")
+        graph_neffs = {info[sp.name].get("neff") for sp, _ in graphs} if neff_gen else set()
+        extra_files += [root / "graphs" / fname for fname in entry.files
+                        if fname.endswith((".neff", ".hlo")) and fname not in graph_neffs]
+        model_file = None if neff_gen else file_entry(root, root / "graphs" / f"{name}{backend.SUFFIX}")
         qualified = [f"{name}/{weight_key(n)}" for n in names] + [f"{name}/{RANK_WEIGHT}"]
         for sp, _ in graphs:
             gi = dict(info[sp.name])
-            if "neff" in gi:
+            if neff_gen:
+                gi = neff.entry_fields(info, sp.name, entries_in[sp.name], contract_outputs(bm, sp), "graphs/")
+            elif "neff" in gi:
                 gi["neff"] = f"graphs/{gi['neff']}"
             graph_entries.append(GraphEntry(
                 name=sp.name, role=sp.role, model=name, bucket=sp.bucket, shape=sp.variant, context=sp.context,
-                file=model_file,
+                file=file_entry(root, root / gi["neff"]) if neff_gen else model_file,
                 weights=qualified,
                 state=state.name, inputs=entries_in[sp.name], outputs=contract_outputs(bm, sp),
                 backend=gi, key=key))

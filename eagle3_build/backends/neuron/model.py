@@ -56,7 +56,7 @@ from eagle3_runtime.graph_contract import PREFILL_ROLES, ROLES
 from eagle3_runtime.manifest import torch_dtype
 
 from ...errors import UserError
-from ...graphs import ROLE_MODULES, GraphSpec
+from ...graphs import GraphSpec, role_module
 from ...models.llama import KVCache
 from .releases import integer_flags
 from .sdk import NEURON_INSTALL_HINT, NEURON_SDK, check_sdk
@@ -350,14 +350,13 @@ class NeuronKey(nn.Module):
     """One ModelBuilder key: `role` over its own weights, state and rank weight (`tensors`, a DeviceModel);
     returns the role's outputs, zeros[1] up to n_out, then the new KV cache (aliased to the state)."""
 
-    def __init__(self, role: str, tensors: DeviceModel, n_role_inputs: int, n_out: int, shape=None,
-                 context: int | None = None):
+    def __init__(self, role: str, tensors: DeviceModel, n_role_inputs: int, n_out: int,
+                 spec: GraphSpec | None = None):
         super().__init__()
         self.model, self.kv, self.rank_util = tensors.model, tensors.kv, tensors.rank_util
         self.role, self.n_role_inputs, self.n_out = role, n_role_inputs, n_out
         # kept out of the module tree (a plain attribute): its parameters are the model's, named model.*
-        object.__setattr__(self, "_role_module",
-                           None if role in (KV_MOVE, KV_COMPACT) else ROLE_MODULES[role](tensors.model, shape, context))
+        object.__setattr__(self, "_role_module", None if role in (KV_MOVE, KV_COMPACT) else role_module(spec, tensors.model))
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         cache = KVCache(self.kv, functional=True)
@@ -403,8 +402,7 @@ KEY_CLASSES = {3: Key3, 4: Key4, 5: Key5, 6: Key6}  # by arity (no *args: NxD's 
 def key_module(mg: ModelGraphs, key: str, device: str = "cpu", comm=None) -> NeuronKey:
     """A fresh module for one key: its own DeviceModel (nothing shared with another key's)."""
     spec, n_inputs = mg.key_spec(key)
-    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg, device, comm), n_inputs, mg.n_out,
-                                 spec and spec.shape, spec and spec.context)
+    return KEY_CLASSES[mg.arity](key_role(key), DeviceModel(mg, device, comm), n_inputs, mg.n_out, spec)
 
 
 class ShapeCollectives:

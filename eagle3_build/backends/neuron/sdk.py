@@ -18,6 +18,8 @@ def check_sdk() -> None:
     """UserError naming the SDK packages that are absent, or are PyPI's "WRONG PACKAGE" placeholders (read from
     the installed metadata, without importing anything)."""
     missing = NeuronFacts.missing_sdk()
+    if missing and neuron_sdk.host_generation() == neuron_sdk.NEFF_GENERATION:
+        return  # (SDK 2.32 +: neuronx-cc and nrtpy / libneuronxla 3, no torch-neuronx; backend.neff_sdk_versions)
     if missing:
         raise UserError(
             f"backend neuron needs the Neuron SDK and {', '.join(missing)} "
