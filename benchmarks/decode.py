@@ -92,17 +92,19 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
 
 def round_profile(graphs: dict[str, dict]) -> dict:
     """Per speculative round, from a graph profile ({"role/bucket": calls, total_s}): the verify graph's mean ms,
-    the draft graphs' ms per round (draft_step x (depth - 1) + draft_catchup), and a plain decode pass's."""
+    the draft graphs' ms per round (draft_step x (depth - 1), or one unrolled draft_chain, + draft_catchup), and a
+    plain decode pass's."""
     def role(name: str) -> tuple[int, float]:
         gs = [g for key, g in graphs.items() if key.split("/")[0].split(":")[0] == name]  # (role:tag: a menu shape's)
         return sum(g["calls"] for g in gs), sum(g["total_s"] for g in gs)
 
-    (nv, tv), (ns, ts), (nc, tc), (nd, td) = (role(r) for r in ("target_verify", "draft_step", "draft_catchup",
-                                                                 "target_decode"))
+    (nv, tv), (ns, ts), (nu, tu), (nc, tc), (nd, td) = (role(r) for r in (
+        "target_verify", "draft_step", "draft_chain", "draft_catchup", "target_decode"))
     ms = lambda t, n: round(1000 * t / n, 3) if n else None  # noqa: E731
-    return {"rounds": nv, "verify_ms": ms(tv, nv), "draft_ms_per_round": ms(ts + tc, nv),
+    return {"rounds": nv, "verify_ms": ms(tv, nv), "draft_ms_per_round": ms(ts + tu + tc, nv),
             "draft_step_ms": ms(ts, ns), "draft_steps_per_round": round(ns / nv, 3) if nv else None,
-            "draft_catchup_ms": ms(tc, nc), "round_ms": ms(tv + ts + tc, nv), "plain_decode_ms": ms(td, nd)}
+            "draft_chain_ms": ms(tu, nu), "draft_catchup_ms": ms(tc, nc), "round_ms": ms(tv + ts + tu + tc, nv),
+            "plain_decode_ms": ms(td, nd)}
 
 
 class _Clock:

@@ -98,7 +98,7 @@ def _finish_bundle(bm: BuildModels, root: Path, backend, report: Report, written
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         backend=pair.backend, dtype=pair.dtype, tp_degree=pair.parallel.tp_degree,
         num_speculative_tokens=pair.speculation.num_speculative_tokens, speculation=pair.speculation.shapes,
-        menu=pair.speculation.menu, accept=pair.speculation.accept,
+        menu=pair.speculation.menu, accept=pair.speculation.accept, unroll_draft=pair.speculation.unroll_draft,
         max_num_seqs=pair.serving.max_num_seqs, max_model_len=pair.serving.max_model_len,
         prefill_buckets=list(pair.buckets.prefill), batch_buckets=list(pair.buckets.batch),
         context_buckets=list(pair.buckets.context),

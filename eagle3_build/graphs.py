@@ -54,10 +54,10 @@ class GraphSpec:
 
 def plan_graphs(prefill_buckets: list[int], speculation: dict[int, SpecShape],
                 menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = (),
-                accept: str = "host") -> list[GraphSpec]:
+                accept: str = "host", unroll: bool = False) -> list[GraphSpec]:
     """Every graph a bundle needs (graph_contract.plan_roles)."""
     return [GraphSpec(r, b, graph_shape(r, b, speculation, menu, v), v, c, accept if ROLES[r].accept_outputs else "host")
-            for r, b, v, c in plan_roles(prefill_buckets, speculation, menu, contexts)]
+            for r, b, v, c in plan_roles(prefill_buckets, speculation, menu, contexts, unroll)]
 
 
 # ---------------------------------------------------------------- role modules
@@ -93,7 +93,8 @@ class TargetVerify(nn.Module):
 
     def __init__(self, m: Llama, shape: SpecShape, context: int | None = None, accept: str = "host"):
         super().__init__()
-        self.m, self.context, self.depth, self.accept = m, context, shape.depth, accept
+        self.m, self.context, self.accept = m, context, accept
+        self.depth = shape.depth if accept == "graph" else None  # (host: any shape, None included)
 
     def forward(self, cache, rank, tokens, positions, start, tree_mask):
         b, N = tokens.shape
@@ -160,8 +161,34 @@ class DraftStep(nn.Module):
         return (*self.m.propose(out, self.k), self.m.recurrent_hidden(out))
 
 
+class DraftChain(nn.Module):
+    """A chain's depth - 1 draft steps in one graph (graph_contract: unrolled draft): from the root's hidden and
+    its first child, step s writes KV slot start + s at position start + s, sees the slots of steps 0..s, and
+    its top-1 token and recurrent hidden feed step s + 1."""
+
+    def __init__(self, m: Eagle3Draft, shape: SpecShape, context: int | None = None):
+        super().__init__()
+        self.m, self.steps = m, shape.depth - 1
+
+    def forward(self, cache, rank, hidden, token, start):
+        b, M = token.shape[0], self.steps
+        offsets = _steps(M, start)
+        seen = torch.ones(M, M, dtype=torch.bool, device=start.device).tril()  # row s: steps 0..s
+        h, t, out = hidden[:, None], token[:, None], []
+        for s in range(M):
+            pos = start[:, None] + offsets[s:s + 1][None, :]  # [b, 1]
+            mask = seen[s][None, None, :].expand(b, 1, M).to(start.dtype)
+            o = self.m(h, t, pos, cache, _rows(b, 1, start), prefill=False, rank=rank, slots=pos, start=start,
+                       tree_mask=mask)
+            t = self.m.propose(o, 1)[0][:, :, 0].to(token.dtype)
+            h = self.m.recurrent_hidden(o)
+            out.append(t)
+        return (torch.cat(out, 1),)
+
+
 ROLE_MODULES = {"target_prefill": TargetPrefill, "target_verify": TargetVerify, "target_decode": TargetDecode,
-                "draft_prefill": DraftPrefill, "draft_catchup": DraftCatchup, "draft_step": DraftStep}
+                "draft_prefill": DraftPrefill, "draft_catchup": DraftCatchup, "draft_step": DraftStep,
+                "draft_chain": DraftChain}
 
 
 def step_inputs(spec: GraphSpec, *, target_hidden: int, draft_hidden: int, dtype: torch.dtype,

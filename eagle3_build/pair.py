@@ -53,7 +53,7 @@ def load_pair(pair: PairRecipe) -> LoadedPair:
 
 def graph_plan(pair: PairRecipe) -> list[GraphSpec]:
     return plan_graphs(pair.buckets.prefill, pair.speculation.shapes, pair.speculation.menu, pair.buckets.context,
-                       pair.speculation.accept)
+                       pair.speculation.accept, pair.speculation.unroll_draft)
 
 
 def layouts(pair: PairRecipe, t: TargetCheckpoint, d: DraftCheckpoint):

@@ -15,6 +15,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from .graph_contract import draft_unrolled
+
 NONE = "none"
 
 
@@ -119,8 +121,8 @@ class Chooser:
 
 def round_seconds(manifest, seconds: dict[str, float], bucket: int) -> dict[str, float]:
     """Seconds per step at batch bucket `bucket` from per-graph times on this host (graph name -> s): plain
-    decoding (one target_decode) and each speculation shape of the bucket (its target_verify + depth - 1 of
-    its draft_step + the bucket's draft_catchup), keyed by SpecShape.describe()."""
+    decoding (one target_decode) and each speculation shape of the bucket (its target_verify + its draft_chain,
+    else depth - 1 of its draft_step + the bucket's draft_catchup), keyed by SpecShape.describe()."""
     def t(role: str, shape=None) -> float:
         name = manifest.graph(role, bucket, shape).name
         if name not in seconds:
@@ -130,7 +132,10 @@ def round_seconds(manifest, seconds: dict[str, float], bucket: int) -> dict[str,
     out = {NONE: t("target_decode")}
     for shape in manifest.shapes(bucket):
         if shape.speculates:
-            steps = (shape.depth - 1) * t("draft_step", shape) if shape.depth > 1 else 0.0
+            if draft_unrolled(shape, manifest.unroll_draft):
+                steps = t("draft_chain", shape)
+            else:
+                steps = (shape.depth - 1) * t("draft_step", shape) if shape.depth > 1 else 0.0
             out[shape.describe()] = t("target_verify", shape) + steps + t("draft_catchup")
     return out
 

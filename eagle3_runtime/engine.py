@@ -10,7 +10,7 @@ bucket's own, one fixed by --speculation, or the one adaptive.py expects fastest
 
   speculative round (any row can speculate):
     draft     the root's children from the last prefill / catch-up, then depth - 1 draft_step calls
-              over the frontier (tree.py)
+              over the frontier (tree.py); a chain of an unrolled bundle: one draft_chain call
     verify    target runs the tree's N nodes (node i at KV slot p + i) in one pass
     accept    greedy: the longest path of target-argmax tokens (found by the verify graph itself where the
               bundle accepts in the graph, Manifest.accept); sampled: the path of the target's own samples
@@ -43,7 +43,7 @@ from .adaptive import MODES, NONE, Chooser, bucket_chooser
 from .buckets import pick_bucket
 from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
-from .graph_contract import can_speculate, pick_context
+from .graph_contract import can_speculate, draft_unrolled, pick_context
 from .manifest import torch_dtype
 from .speculation import NO_SPECULATION, SpecShape
 from .metrics import Metrics, SpecStats
@@ -195,6 +195,7 @@ class Engine:
                               f"this bundle ({', '.join(tags) or 'it has none'})")
         self.speculative = speculative and speculation != "none"
         self.accept_in_graph = m.accept == "graph"  # greedy rows: the verify graph's path, else the host's
+        self.unroll_draft = m.unroll_draft
         # what each batch bucket runs without a chooser: its own shape, or the one --speculation names
         self.shapes: dict[int, SpecShape] = {
             b: next((s for s in m.shapes(b) if s.tag == speculation), m.speculation[b]) for b in self.batch_buckets}
@@ -556,7 +557,19 @@ class Engine:
 
     def _draft_tree(self, bsz: int, shape: SpecShape, start: torch.Tensor,
                     drafting: dict[int, Drafting]) -> None:
-        """The depth - 1 draft steps: each expands every row's frontier by its top-k children."""
+        """The depth - 1 draft steps: each expands every row's frontier by its top-k children (a chain of an
+        unrolled bundle: all in one draft_chain call)."""
+        if draft_unrolled(shape, self.unroll_draft):
+            hidden = torch.zeros(bsz, self.hidden, dtype=self.hidden_dtype)
+            token = torch.zeros(bsz, dtype=torch.int64)
+            for s in self.active:
+                dr = drafting.get(s.row)
+                if dr is not None:
+                    hidden[s.row], token[s.row] = s.draft_hidden, dr.tokens[1]
+            chains = self._run("draft_chain", bsz, shape, hidden=hidden, token=token, start=start)["tokens"].tolist()
+            for row, dr in drafting.items():
+                dr.extend_chain(chains[row])
+            return
         W, M = shape.width, shape.dims()["M"]
         prev = None  # the previous step's hidden states [bsz, W, Hd]
         for step in range(1, shape.depth):

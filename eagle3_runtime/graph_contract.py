@@ -31,6 +31,11 @@ from .speculation import SpecShape, all_shapes, bucket_shapes, merged_shape
 # root, then the target's token after its last node; zero after), the draft catch-up's inputs as they are.
 # "host": the runtime finds the path from the logits.
 #
+# Unrolled draft (Manifest.unroll_draft; draft_unrolled): a chain's depth - 1 draft steps run in one draft_chain
+# call (vLLM Neuron's fused draft) instead of a draft_step call each: from the root's hidden and its first child
+# (the catch-up's), each step's top-1 token feeds the next; step s (0-based) writes the draft's KV slot
+# start + s at RoPE position start + s, as draft_step does. Trees keep their draft_step calls.
+#
 # Context buckets (NxDI's token-generation buckets): a per-context role also has one graph per entry c of
 # Manifest.context_buckets that reads only KV slots 0..c-1 (same inputs and outputs; attention over the
 # cache costs in proportion to the slots read). The engine calls the smallest one whose slots hold every
@@ -58,6 +63,7 @@ class Role:
     per_shape: bool = False  # one graph per shape of the bucket's menu (else one per bucket: merged_shape)
     per_context: bool = False  # also one graph per context bucket (attends over that many KV slots only)
     accept_outputs: tuple[Port, ...] = ()  # after `outputs`, where the bundle accepts in the graph
+    unrolled: bool | None = None  # per-shape roles: only for shapes whose draft steps are unrolled (True) / are not
 
     def graph_name(self, bucket: int, variant: SpecShape | None = None, context: int | None = None) -> str:
         """<role>_b<bucket> (prefill: _s<length>); a menu shape's own graph adds _<tag>, a context bucket's
@@ -124,7 +130,9 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          _ports("hidden[n,W,Hd]:model", "tokens[n,W]:index", "positions[n,W]:index", "slots[n,W]:index",
                 "start[n]:index", "tree_mask[n,W,M]:index"),
          _ports("token[n,W,k]:int64", "logprob[n,W,k]:float32", "hidden[n,W,Hd]:model"), "tokens", needs_depth=2,
-         per_shape=True),
+         per_shape=True, unrolled=False),
+    Role("draft_chain", "draft", "batch", _ports("hidden[n,Hd]:model", "token[n]:index", "start[n]:index"),
+         _ports("tokens[n,M]:int64"), "token", needs_depth=2, per_shape=True, unrolled=True),
 )}
 ACCEPT = ("host", "graph")  # where a greedy row's verified tree is accepted (Manifest.accept)
 # derived views
@@ -136,9 +144,15 @@ ROLE_MODEL = {r.name: r.model for r in ROLES.values()}
 PlannedRole = tuple[str, int, SpecShape | None, int | None]
 
 
+def draft_unrolled(shape: SpecShape, unroll: bool) -> bool:
+    """Whether a shape's draft steps run in one draft_chain call: chains of depth 2 or more, where the bundle
+    unrolls."""
+    return unroll and shape.kind == "chain" and shape.depth >= 2
+
+
 def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape],
-               menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = ()
-               ) -> list[PlannedRole]:
+               menu: dict[int, list[SpecShape]] | None = None, contexts: list[int] | tuple[int, ...] = (),
+               unroll: bool = False) -> list[PlannedRole]:
     """Every (role, bucket, variant, context) a bundle has, in build order: the prefill roles per prefill
     bucket (draft_prefill if any shape speculates), then per batch bucket the roles its shapes need
     (target_decode always: the plain round and the speculation-cutoff fallback); variant is the menu shape a
@@ -155,7 +169,8 @@ def plan_roles(prefill_buckets: list[int], speculation: dict[int, SpecShape],
             if not role.per_shape:
                 variants = [None] if max(s.depth for s in shapes) >= role.needs_depth else []
             else:
-                variants = [None if s == own else s for s in shapes if s.depth >= role.needs_depth]
+                variants = [None if s == own else s for s in shapes if s.depth >= role.needs_depth and (
+                    role.unrolled is None or role.unrolled == draft_unrolled(s, unroll))]
             for c in [None, *contexts] if role.per_context else [None]:
                 out += [(r, b, v, c) for v in variants]
     return out

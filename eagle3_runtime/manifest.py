@@ -183,6 +183,7 @@ class Manifest(Strict):
     batch_buckets: Capped(list[Count], 64) = Field(min_length=1)
     context_buckets: Capped(list[Count], 64) = []  # KV slots the per-context roles' extra graphs read
     accept: Literal[ACCEPT] = "host"  # type: ignore[valid-type]  # greedy acceptance: in the verify graph or on the host
+    unroll_draft: bool = False  # chains draft in one draft_chain call (graph_contract.draft_unrolled)
     aux_layer_ids: Capped(list[int], 64)
     vocab_size: Count
     eos_token_ids: Capped(list[int], 1024)
@@ -352,7 +353,7 @@ def _check_graph_table(m: Manifest) -> None:
     if len(have) != len(m.graphs):
         raise ValueError("graphs: more than one graph for the same role, bucket, shape and context")
     need = {(r, b, v.tag if v else None, c)
-            for r, b, v, c in plan_roles(m.prefill_buckets, m.speculation, m.menu, m.context_buckets)}
+            for r, b, v, c in plan_roles(m.prefill_buckets, m.speculation, m.menu, m.context_buckets, m.unroll_draft)}
 
     def graph_labels(keys):
         return [f"{r}/{b}" + (f"/{v}" if v else "") + (f"/c{c}" if c else "") for r, b, v, c in sorted(keys, key=str)]

@@ -105,6 +105,12 @@ class Drafting:
             new += self._add_children(node, top_tokens[w].tolist(), top_logprobs[w].tolist())
         self.frontier = self._frontier(new)
 
+    def extend_chain(self, tokens: list[int]) -> None:
+        """A chain's later drafts from one unrolled draft call (graph_contract: draft_chain), each the child of the
+        last (topk 1: the log-probs do not choose anything)."""
+        for t in tokens:
+            self._add_children(len(self.tokens) - 1, [t], [0.0])
+
     def tree(self) -> Tree:
         """The verified nodes: the root and the num_nodes - 1 best candidates (static: all), parents first."""
         if self.choices is not None:

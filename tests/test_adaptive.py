@@ -99,21 +99,22 @@ def test_bad_candidates_are_refused(bad, words):
 
 
 def test_round_seconds_from_a_bundle_manifest(tiny):
-    """A real tiny bundle's manifest (chain K 3 at batch 1) and injected per-graph times: a round costs
-    verify + 2 draft steps + catch-up, plain decoding one decode pass; a graph without a time is named."""
+    """A real tiny bundle's manifest (chain K 3 at batch 1, its draft unrolled) and injected per-graph times: a
+    round costs verify + the unrolled draft + catch-up, plain decoding one decode pass; a graph without a time is
+    named."""
     from eagle3_runtime.adaptive import round_seconds
     from eagle3_runtime.manifest import MANIFEST, Manifest
 
     m = Manifest.model_validate_json((tiny.bundle().path / MANIFEST).read_text())
-    ms = {"target_decode": 40, "target_verify": 44, "draft_step": 3, "draft_catchup": 5, "target_prefill": 90,
+    ms = {"target_decode": 40, "target_verify": 44, "draft_chain": 6, "draft_catchup": 5, "target_prefill": 90,
           "draft_prefill": 9}
     secs = {g.name: ms[g.role] / 1e3 for g in m.graphs}
     got = round_seconds(m, secs, 1)
-    assert got == pytest.approx({NONE: 0.040, "chain K 3": 0.044 + 2 * 0.003 + 0.005})
+    assert got == pytest.approx({NONE: 0.040, "chain K 3": 0.044 + 0.006 + 0.005})
     c = Chooser([Candidate(n, s, () if n == NONE else (0.6, 0.35, 0.2)) for n, s in got.items()])
     assert c.current == "chain K 3"
-    del secs[m.graph("draft_step", 1).name]
-    with pytest.raises(KeyError, match="draft_step"):
+    del secs[m.graph("draft_chain", 1).name]
+    with pytest.raises(KeyError, match="draft_chain"):
         round_seconds(m, secs, 1)
 
 
@@ -135,7 +136,7 @@ def test_engine_auto_serves_what_costs_and_acceptance_favour_and_stays_lossless(
     ids = list(range(5, 21))
     ref = Engine(b, speculation="always").generate(ids, 24)
     assert ref.stats.num_drafts > 0
-    ms = {"target_decode": 40, "target_verify": 44, "draft_step": 3, "draft_catchup": 5}
+    ms = {"target_decode": 40, "target_verify": 44, "draft_chain": 6, "draft_catchup": 5}
     b.backend.costs = {g.name: ms[g.role] / 1e3 for g in m.graphs if g.role in ms}
     for reach, served in (([0.9, 0.8, 0.7], shape), ([0.02, 0.0, 0.0], NONE)):
         m.build["acceptance"] = {shape: {"reach": reach}}

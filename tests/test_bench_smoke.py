@@ -128,7 +128,7 @@ def test_graph_smoke(tiny_bundles, tmp_path):
                      "--save-result", str(tmp_path / "g.json"))
     assert json.loads((tmp_path / "g.json").read_text()) == res
     _recorded(res)
-    assert {"target_verify_b1", "target_decode_b1", "draft_step_b1", "draft_catchup_b1"} <= set(res["graphs"])
+    assert {"target_verify_b1", "target_decode_b1", "draft_chain_b1", "draft_catchup_b1"} <= set(res["graphs"])
     assert all(len(v) == 2 and v[0]["ratio_to_first"] == 1.0 and v[1]["median_ms"] > 0 for v in res["graphs"].values())
     bad = _bench("graph", str(bundle), "--graphs", "no_such_graph")
     assert bad.returncode != 0 and "no_such_graph" in bad.stderr
@@ -146,7 +146,7 @@ def test_engine_smoke(tiny_bundles, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text()) == res
     _recorded(res)
     assert res["same_tokens"] and min(res["decode_tok_s"].values()) > 0 and set(res["b_over_a"]) == {"speculative", "plain"}
-    assert {"target_verify_b1", "target_decode_b1", "draft_step_b1"} <= set(res["graphs_ms"])
+    assert {"target_verify_b1", "target_decode_b1", "draft_chain_b1"} <= set(res["graphs_ms"])
     assert all(v["A"] > 0 and v["B"] > 0 for v in res["graphs_ms"].values())
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_inproc, run_cli
 
-GRAPHS = 6  # the tiny pair's bundle: target prefill (one bucket), decode, verify; draft prefill, catch-up, step
+GRAPHS = 6  # the tiny pair's bundle: target prefill (one bucket), decode, verify; draft prefill, catch-up, the unrolled chain
 
 
 def compile_json(recipe: Path, out: Path, cache: Path, *extra: str, env: dict | None = None, inproc: bool = False):
@@ -100,7 +100,7 @@ def test_changing_k_recompiles_only_graphs_whose_shapes_changed(world, tiny, tmp
     st = statuses(ev)
     assert {g for g, s in st.items() if s == "compiled"} == {"target_verify_b1", "draft_catchup_b1"}
     assert sum(s == "cached" for s in st.values()) == GRAPHS - 3  # (K 1 has no draft_step)
-    assert "draft_step_b1" not in st
+    assert not {"draft_step_b1", "draft_chain_b1"} & set(st)
 
 
 def test_renamed_or_finetuned_checkpoint_hits_the_cache(world, pair, tmp_path):
@@ -133,12 +133,12 @@ def test_renamed_or_finetuned_checkpoint_hits_the_cache(world, pair, tmp_path):
 def test_failed_graph_gives_table_exit_1_no_bundle_and_is_retried(world, pair, tmp_path, jobs):
     # a warm cache without three graphs: the failing one, the crashing one and one that compiles
     cache, art = warm_cache(world, tmp_path), tmp_path / "art"
-    missing = {"target_decode_b1", "draft_step_b1", "target_verify_b1"}
+    missing = {"target_decode_b1", "draft_chain_b1", "target_verify_b1"}
     for entry in (cache / "graphs").glob("*/*/entry.json"):
         if json.loads(entry.read_text())["graph"] in missing:
             shutil.rmtree(entry.parent)
     r, ev = compile_json(pair, art / "b", cache, "--jobs", jobs,
-                         env={"EAGLE3_BUILD_INJECT_FAILURE": "target_decode_b1,draft_step_b1:crash"})
+                         env={"EAGLE3_BUILD_INJECT_FAILURE": "target_decode_b1,draft_chain_b1:crash"})
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     st = statuses(ev)
@@ -147,7 +147,7 @@ def test_failed_graph_gives_table_exit_1_no_bundle_and_is_retried(world, pair, t
     assert {g for g, s in st.items() if s == "compiled"} == missing - {"target_decode_b1"}
     assert sum(s == "cached" for s in st.values()) == GRAPHS - 3
     if jobs == "2":  # a worker that dies is retried once (the injected crash is transient)
-        assert any(e["event"] == "graph" and e["status"] == "retrying" and e["graph"] == "draft_step_b1" for e in ev)
+        assert any(e["event"] == "graph" and e["status"] == "retrying" and e["graph"] == "draft_chain_b1" for e in ev)
     (failure,) = [e for e in ev if e["event"] == "graph_failed"]
     assert failure["graph"] == "target_decode_b1" and "injected failure" in failure["error"]
     assert Path(failure["log"]).is_file() and "injected failure" in Path(failure["log"]).read_text()

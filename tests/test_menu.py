@@ -28,9 +28,10 @@ def test_the_manifest_lists_every_shape_and_its_graphs(menu_bundle):
     m = menu_bundle.manifest
     assert [s.tag for s in m.shapes(1)] == list(TAGS) and m.num_speculative_tokens == 3
     names = {g.name for g in m.graphs}
-    assert {"target_verify_b1", "target_verify_b1_chain1", "target_verify_b1_tree2x2x4", "draft_step_b1",
+    assert {"target_verify_b1", "target_verify_b1_chain1", "target_verify_b1_tree2x2x4", "draft_chain_b1",
             "draft_step_b1_tree2x2x4", "target_decode_b1", "draft_catchup_b1"} <= names
-    assert "draft_step_b1_chain1" not in names  # a chain of 1 drafts no step
+    assert not {"draft_step_b1_chain1", "draft_chain_b1_chain1", "draft_step_b1"} & names  # (a chain of 1 drafts
+    # no step; chain K 3's steps are unrolled)
     catchup = m.graph("draft_catchup", 1)
     assert catchup.input("next_tokens").shape == [1, 4]  # the deepest path: chain K 3 + its bonus token
     assert [o.shape for o in catchup.outputs if o.name == "token"] == [[1, 2]]  # the largest topk
@@ -102,7 +103,7 @@ def test_auto_picks_among_the_whole_menu_by_cost_and_acceptance(menu_bundle):
     menu_bundle.warm_up()
     assert {"target_verify_b1_chain1", "draft_step_b1_tree2x2x4"} <= set(menu_bundle.costs)
     ms = {"target_decode_b1": 40, "target_verify_b1": 60, "target_verify_b1_chain1": 42,
-          "target_verify_b1_tree2x2x4": 46, "draft_step_b1": 4, "draft_step_b1_tree2x2x4": 5, "draft_catchup_b1": 4}
+          "target_verify_b1_tree2x2x4": 46, "draft_chain_b1": 8, "draft_step_b1_tree2x2x4": 5, "draft_catchup_b1": 4}
     saved = dict(menu_bundle.backend.costs)
     menu_bundle.backend.costs = {n: ms[n] / 1e3 for n in ms}
     try:

@@ -21,7 +21,7 @@ TOKEN = COMMON + ["-O2", "--tensorizer-options=--enable-ccop-compute-overlap --c
                          "--vectorize-strided-dma",
                   "--internal-hlo2tensorizer-options=--verify-hlo=true"]
 ROLE_DEFAULTS = {"target_prefill": CONTEXT, "draft_prefill": CONTEXT, "target_verify": TOKEN,
-                 "target_decode": TOKEN, "draft_catchup": TOKEN, "draft_step": TOKEN}
+                 "target_decode": TOKEN, "draft_catchup": TOKEN, "draft_step": TOKEN, "draft_chain": TOKEN}
 
 
 def test_missing_sdk_fails_fast_without_loading_anything(tmp_path):

@@ -39,7 +39,7 @@ def test_priority_key_reads_every_weight_and_each_builder_has_its_own_directory(
         read = set().union(*(h["reads"] for h in b.hlos.values()))
         assert b.layout_weights == read
     assert {"model.fc.weight", "model.embed_tokens.weight"} <= draft.layout_weights
-    assert "model.fc.weight" not in draft.hlos[("draft_step", 0)]["reads"]  # why the step cannot be the priority
+    assert "model.fc.weight" not in draft.hlos[("draft_chain", 0)]["reads"]  # why the steps cannot be the priority
     cwds = {Path(b.cwd) for b in (target, draft)}
     assert len(cwds) == 2 and user_dir not in cwds and all(tmp_path / "cache" in c.parents for c in cwds)
     assert Path.cwd() == user_dir and list(user_dir.iterdir()) == []
@@ -51,8 +51,8 @@ def test_a_priority_key_that_misses_a_weight_is_refused(standin_sdk, tmp_path, m
     from eagle3_build.plan import plan_pair
     from eagle3_build.compile.cache import CompileCache
 
-    monkeypatch.setitem(neuron.PRIORITY_ROLES, "draft", ("draft_step",))
-    with pytest.raises(UserError, match=r"no key of the draft reads every weight \(draft_step does not read "
+    monkeypatch.setitem(neuron.PRIORITY_ROLES, "draft", ("draft_chain",))
+    with pytest.raises(UserError, match=r"no key of the draft reads every weight \(draft_chain does not read "
                                         r"fc\.weight"):
         plan_pair(neuron_pair(tmp_path, 2), CompileCache(tmp_path / "cache"))
 

@@ -78,7 +78,7 @@ def test_spmd_bundle_decodes_like_transformers(standin_sdk, tmp_path, tp, arch):
     K = pair.speculation.num_speculative_tokens
     assert [sorted(b.model_collection) for b in builders] == [
         ["kv_move", "target_decode", "target_prefill", "target_verify"],
-        ["draft_catchup", "draft_prefill", *(["draft_step"] if K > 1 else []), "kv_move"]]
+        ["draft_catchup", *(["draft_chain"] if K > 1 else []), "draft_prefill", "kv_move"]]  # (a chain: unrolled)
     for b in builders:
         assert b.tp_degree == tp and b.logical_nc_config == 2
         for key, c in b.model_collection.items():
@@ -484,7 +484,7 @@ def test_a_menu_of_shapes_is_one_nxd_key_per_shape_and_each_decodes_like_transfo
     target, draft = StandInModelBuilder.instances
     keys = set(target.model_collection)
     assert {"target_verify", "target_verify.chain1", "target_verify.tree2x2x5", "kv_compact"} <= keys
-    assert {"draft_step", "draft_step.tree2x2x5"} <= set(draft.model_collection)
+    assert {"draft_chain", "draft_step.tree2x2x5"} <= set(draft.model_collection)  # (the chain K 3: unrolled)
     assert len(target.model_collection["target_verify.chain1"]["examples"]) == 2  # batch buckets 1 and 2
     assert m.graph("target_verify", 2, menu[1]).backend["key"] == "target_verify.tree2x2x5"
     bundle = Bundle(out)

@@ -103,7 +103,7 @@ def test_manifest_contents(tiny_bundles):
     assert m.draft_format == "specforge"
     roles = {(g.role, g.bucket) for g in m.graphs}
     assert roles == {(r, s) for r in ("target_prefill", "draft_prefill") for s in (64,)} | {
-        (r, 1) for r in ("target_verify", "target_decode", "draft_catchup", "draft_step")}
+        (r, 1) for r in ("target_verify", "target_decode", "draft_catchup", "draft_chain")}
     verify = m.graph("target_verify", 1)
     assert [(i.name, i.shape) for i in verify.inputs] == [("rank", [1]), ("tokens", [1, 4]), ("positions", [1, 4]),
                                                           ("start", [1]), ("tree_mask", [1, 4, 4])]
@@ -112,7 +112,7 @@ def test_manifest_contents(tiny_bundles):
     assert set(m.toolchain) >= {"python", "torch", "transformers", "eagle3_build", "backend"}
     assert m.sources["target"]["kind"] == "local"
     # the draft borrows the target's embedding (SpecForge drafts ship none)
-    assert "target/embed_tokens.weight" in m.graph("draft_step", 1).weights
+    assert "target/embed_tokens.weight" in m.graph("draft_chain", 1).weights
     for f in m.all_files():
         assert (bundle_dir / f.path).is_file() and len(f.sha256) == 64
 

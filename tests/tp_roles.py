@@ -53,7 +53,11 @@ def run_roles(bundle: Bundle) -> dict[str, torch.Tensor]:
         tok, _, hid = bundle.graph("draft_catchup", b)(v["aux"], nt, start, torch.full((b,), K))
         out["draft_catchup.token"], out["draft_catchup.hidden"] = tok, hid[..., :hu]
         tok = tok[:, 0]
-        if K > 1:  # a chain's first draft step, at the position after the catch-up
+        if K > 1 and m.unroll_draft:  # a chain's draft steps in one call, from the position after the catch-up
+            d = call_by_name(bundle.graph("draft_chain", b), {"hidden": hid, "token": tok, "start": start + K + 1})
+            out["draft_chain.tokens"] = d["tokens"]
+            tok = d["tokens"][:, -1]
+        elif K > 1:  # a chain's first draft step, at the position after the catch-up
             p = (start + K + 1)[:, None]
             mask = torch.zeros(b, 1, K - 1, dtype=torch.bool)
             mask[..., 0] = True

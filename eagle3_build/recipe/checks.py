@@ -445,7 +445,7 @@ def _speculation(raw: RawPair, batch: list[int]) -> Speculation:
     shapes = {b: _raw_shape(per[b]) if b in per else top for b in batch}
     menu = _menu(raw.speculation, shapes)
     return Speculation(num_speculative_tokens=max(s.depth for s in all_shapes(shapes, menu)), shapes=shapes,
-                       menu=menu, accept=raw.speculation.accept)
+                       menu=menu, accept=raw.speculation.accept, unroll_draft=raw.speculation.unroll_draft)
 
 
 def build_pair(raw: RawPair, target: SourceSpec, draft: SourceSpec) -> PairRecipe:

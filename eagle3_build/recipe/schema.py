@@ -88,6 +88,7 @@ class Speculation(_Frozen):
     shapes: dict[int, SpecShape]  # per batch bucket (speculation.SpecShape)
     menu: dict[int, list[SpecShape]] = {}  # per speculating batch bucket: more shapes (manifest.Manifest.menu)
     accept: Literal[ACCEPT] = "graph"  # type: ignore[valid-type]  # greedy acceptance (manifest.Manifest.accept)
+    unroll_draft: bool = True  # chains draft in one graph call (manifest.Manifest.unroll_draft)
 
     def scratch(self) -> int:
         return max(s.scratch for s in all_shapes(self.shapes, self.menu))
@@ -198,6 +199,8 @@ class RawSpeculation(Raw):
     # where greedy rows accept: "graph" (in the verify graph: a few integers per row come back) or "host" (from the
     # full logits); sampled rows always accept on the host
     accept: Literal[ACCEPT] = "graph"  # type: ignore[valid-type]
+    # chains run their depth - 1 draft steps in one graph call (draft_chain) instead of one call each
+    unroll_draft: bool = True
 
 
 class RawPair(Raw):

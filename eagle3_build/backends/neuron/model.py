@@ -184,7 +184,8 @@ STATE_NAME = "kv"
 # reads; a weight it does not read keeps its checkpoint layout in every graph. So the priority key is a
 # token-generation key that reads every weight (as NxDI's token generation does): the target's verify, the
 # draft's catch-up (its step never reads fc or the fc norm). `priority_key` checks the rule on the model.
-PRIORITY_ROLES = {"target": ("target_verify", "target_decode"), "draft": ("draft_catchup", "draft_step")}
+PRIORITY_ROLES = {"target": ("target_verify", "target_decode"),
+                  "draft": ("draft_catchup", "draft_chain", "draft_step")}
 
 
 def spec_key(spec) -> str:
