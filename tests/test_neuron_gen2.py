@@ -88,8 +88,10 @@ def test_bundle_has_a_neff_per_graph_with_its_command_and_hlo(bundles, tp, tree)
         cmd = b["compiler_command"]
         assert cmd[:9] == ["neuronx-cc", "compile", f"{g.name}.hlo", "--framework", "XLA", "--target", "trn2",
                            "--output", f"{g.name}.neff"]
-        assert cmd[9:] == ["--auto-cast=none", "--model-type=transformer", "-O1", "--logical-nc-config=2",
-                           "--native-int64=disabled", "--implicit-integer-downcast=all"]
+        flags = cmd[9:]  # NxDI's per-role flags, as generation 1 passes them: -O1 context encoding, -O2 the rest
+        assert ("-O1" if g.role.endswith("prefill") else "-O2") in flags and flags[:6] == [
+            "--lnc", "2", "--model-type", "transformer", "--auto-cast", "none"]
+        assert " ".join(flags).endswith("--native-int64 disabled --implicit-integer-downcast all")
         with zipfile.ZipFile(out / b["neff"]) as z:  # the NEFF was made from this HLO, by this command
             meta = json.loads(z.read("neff.json"))
             assert z.read("graph.hlo") == (out / b["hlo"]).read_bytes() and meta["argv"] == cmd

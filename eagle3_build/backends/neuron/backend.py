@@ -57,7 +57,7 @@ class NeuronBackend(Backend):
         if self.target not in neff.TARGETS:
             raise UserError(f"backend_options: --target {self.target} is not a Neuron target; use one of "
                             f"{', '.join(neff.TARGETS)}")
-        self.neff_args = neff.neff_args(self.target, self.lnc, self.versions.get("neuronx-cc"))
+        self.neff_args = {role: neff.role_flags(args) for role, args in self.role_args.items()}
 
     def version(self) -> str:
         return self.versions["neuronx-cc" if self.generation == NEFF_GENERATION else "torch-neuronx"]
@@ -78,7 +78,7 @@ class NeuronBackend(Backend):
     def key_fields(self, role: str) -> dict:
         if self.generation == NEFF_GENERATION:
             return {"name": NAME, "generation": self.generation, "versions": dict(sorted(self.versions.items())),
-                    "compiler_args": self.neff_args, "target": self.target}
+                    "compiler_args": self.neff_args[role], "target": self.target}
         return {"name": NAME, "versions": {pip: self.versions[pip] for pip in SDK_PACKAGES},
                 "compiler_args": self.role_args[role]}
 
@@ -150,11 +150,10 @@ class NeuronBackend(Backend):
         args = PlanArgs({role: compiler_args(pair.backend_options, role) for role in ROLES})
         args.generation = generation(pair.backend_options, strict=False)
         if args.generation == NEFF_GENERATION:
-            first = next(iter(args.values()))
-            args.target = flag_value(first, "--target") or "trn2"
-            flags = neff.neff_args(args.target, int(flag_value(first, "--lnc") or 2),
-                                   neuron_sdk.distribution_version("neuronx-cc") or NEFF_COMPILER)
-            args.update({role: flags for role in args})
+            version = neuron_sdk.distribution_version("neuronx-cc") or NEFF_COMPILER
+            args.target = flag_value(next(iter(args.values())), "--target") or "trn2"
+            args.update({role: neff.role_flags(compiler_args(pair.backend_options, role, neuronx_cc=version))
+                         for role in [*ROLES, KV_MOVE, KV_COMPACT]})
         return args
 
     @classmethod
@@ -172,7 +171,7 @@ class NeuronBackend(Backend):
         gen = getattr(cc_args, "generation", NXD_GENERATION)
         if gen == NEFF_GENERATION:
             models = bundle.spmd_models(bm)
-            extra = [shlex.join(neff.compile_argv(name, cc_args.target, next(iter(cc_args.values()))))
+            extra = [shlex.join(neff.compile_argv(name, cc_args.target, cc_args[key]))
                      for sm in models.values() for name, key, _ in neff.units(sm.graphs) if key in (KV_MOVE, KV_COMPACT)]
             return {"generation": gen, "compiler_args": dict(cc_args), "state_commands": extra}
         return {"generation": gen, "compiler_args": cc_args,

@@ -20,20 +20,25 @@ from eagle3_runtime.backends.neuron import KV_COMPACT, KV_MOVE
 from eagle3_runtime.backends.neuron_sdk import NEFF_FORMAT, NEFF_GENERATION
 
 from ...errors import UserError
-from .model import key_module, spec_key
-from .releases import integer_flags
+from .model import key_module, key_role, spec_key
 
 COMPILER = "neuronx-cc"
 TARGETS = ("trn1", "trn2", "trn3", "inf2")
-BASE_FLAGS = ["--auto-cast=none", "--model-type=transformer", "-O1"]
 LOG_TAIL = 2000  # characters of a failed compile's output kept in its error
 
 
-def neff_args(target: str, lnc: int, neuronx_cc: str | None) -> list[str]:
-    """The flags after `--output`: the fixed ones, the logical-core config where the target has one (trn2 and
-    on), then the integer pins of this compiler version (releases.integer_flags)."""
-    lnc_flags = [f"--logical-nc-config={lnc}"] if target not in ("trn1", "inf2") else []
-    return [*BASE_FLAGS, *lnc_flags, *(integer_flags(neuronx_cc) if neuronx_cc else [])]
+def role_flags(args: list[str]) -> list[str]:
+    """A role's neuronx-cc flags (model.compiler_args: NxDI's per-role defaults, -O level included, the integer pins
+    of this compiler version, the recipe's) without --target, which compile_argv places."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--target":
+            skip = True
+        elif not a.startswith("--target="):
+            out.append(a)
+    return out
 
 
 def compile_argv(name: str, target: str, args: list[str]) -> list[str]:
@@ -55,10 +60,10 @@ def units(mg) -> list[tuple[str, str, int]]:
     return out
 
 
-def compile_model(mg, tp: int, out_dir: Path, target: str, args: list[str], jobs: int = 1) -> dict:
-    """Lower every graph of one model to out_dir/<graph>.hlo and compile each with neuronx-cc into
-    out_dir/<graph>.neff (at most `jobs` compiler processes at once); returns the per-graph backend info
-    (graph name, or kv_move / kv_compact, -> fields)."""
+def compile_model(mg, tp: int, out_dir: Path, target: str, args: dict[str, list[str]], jobs: int = 1) -> dict:
+    """Lower every graph of one model to out_dir/<graph>.hlo and compile each with neuronx-cc (`args`: role ->
+    role_flags) into out_dir/<graph>.neff (at most `jobs` compiler processes at once); returns the per-graph
+    backend info (graph name, or kv_move / kv_compact, -> fields)."""
     from .xla_internals import XlaCollectives, lower_graph
 
     if shutil.which(COMPILER) is None:
@@ -69,7 +74,7 @@ def compile_model(mg, tp: int, out_dir: Path, target: str, args: list[str], jobs
     for name, key, i in units(mg):
         lowered = lower_graph(key_module(mg, key, comm=comm), mg.examples(key)[i], tp)
         (out_dir / f"{name}.hlo").write_bytes(lowered.proto)
-        argv = compile_argv(name, target, args)
+        argv = compile_argv(name, target, args[key_role(key)])
         commands.append((name, argv))
         info[key if key in (KV_MOVE, KV_COMPACT) else name] = {
             "format": NEFF_FORMAT, "generation": NEFF_GENERATION, "neff": f"{name}.neff", "hlo": f"{name}.hlo",
