@@ -725,6 +725,10 @@ def verify_cmd(
 def main() -> None:
     from typer.exceptions import TyperException
 
+    from .progress import quiet_known_warnings
+
+    quiet_known_warnings()
+
     try:
         code = app(standalone_mode=False)  # (usage errors come here: one line, not the boxed usage text)
         if isinstance(code, int):  # (a typer.Exit, which this mode returns)

@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+# Warnings third-party code prints during a build that say nothing to its user, with why each is harmless
+KNOWN_WARNINGS = (
+    # torch 2.13's own copy of an exported program's treespecs (torch.utils._pytree: LeafSpec is deprecated)
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+)
+
+
+def quiet_known_warnings() -> None:
+    """Filter KNOWN_WARNINGS in this process (the build's entry points: the CLI and its compile workers)."""
+    import warnings
+
+    for category, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
 
 STYLE = {"queued": "dim", "compiling": "yellow", "retrying": "magenta", "cached": "cyan", "compiled": "green",
          "failed": "bold red"}
@@ -32,10 +48,13 @@ class BuildState:
         self.stage = "load"
         self.jobs, self.total = 1, 0
         self.graphs: dict[str, dict] = {}
+        self.activity: str | None = None  # what the stage is doing now (a "progress" event's message)
 
     def update(self, ev: dict) -> None:
-        if ev["event"] == "stage":
-            self.stage = ev["stage"]
+        if ev["event"] == "progress":
+            self.activity = ev["message"]
+        elif ev["event"] == "stage":
+            self.stage, self.activity = ev["stage"], None
             self.total = ev.get("total", self.total)
             self.jobs = ev.get("jobs", self.jobs)
         elif ev["event"] == "graph":
@@ -86,6 +105,8 @@ class RichReporter:
         done = s.count("cached") + s.count("compiled")
         eta = s.eta()
         head = Text.assemble((f"{s.pair}", "bold"), f": {s.stage}  ")
+        if s.activity and not s.total:
+            head.append(f"{s.activity}  ")
         if s.total:
             head.append(f"graphs {done}/{s.total} ({s.count('cached')} cached, {s.count('compiled')} compiled"
                         f"{', ' + str(s.count('failed')) + ' failed' if s.count('failed') else ''}), "
@@ -107,23 +128,45 @@ class RichReporter:
 class LineReporter:
     """A plain line per stage finished and per graph done (compiled, cached, failed, retried), with the
     counts and the ETA: what a log needs, since a live view draws nothing there. A stage is reported when it
-    ends, so a build refused while loading prints only its one error line."""
+    ends, so a build refused while loading prints only its one error line; after HEARTBEAT_S without a line, a
+    line says what is going on (the stage's latest progress, the graphs compiling)."""
 
     DONE = ("compiled", "cached", "failed", "retrying")
+    HEARTBEAT_S = 30.0
 
     def __init__(self, pair: str, console: Console):
         self.state, self.console = BuildState(pair), console
         self.stage_t0: float | None = None
+        self.last_line = time.perf_counter()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.beat = threading.Thread(target=self._heartbeat, daemon=True)
 
     def __enter__(self):
+        self.beat.start()
         return self
 
     def __exit__(self, *exc):
+        self.done.set()
         if exc[0] is None:
             self._stage_done()
 
     def _print(self, line: str) -> None:
-        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        with self.lock:
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            self.last_line = time.perf_counter()
+
+    def _heartbeat(self) -> None:
+        while not self.done.wait(1.0):
+            if time.perf_counter() - self.last_line >= self.HEARTBEAT_S:
+                self._print(self.status())
+
+    def status(self) -> str:
+        s, now = self.state, time.perf_counter()
+        busy = [f"{n} ({fmt_s(now - g['started'])})" for n, g in s.graphs.items()
+                if g["status"] == "compiling" and "started" in g]
+        doing = f"compiling {', '.join(busy)}" if busy else (s.activity or "working")
+        return f"{s.pair}: {s.stage}: {doing} (elapsed {fmt_s(now - s.t0)})"
 
     def _stage_done(self) -> None:
         if self.stage_t0 is not None:

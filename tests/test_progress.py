@@ -52,3 +52,43 @@ def test_a_toolchain_warning_is_a_line_in_a_log_and_on_a_terminal():
             r({"event": "warning", "message": "the installed Neuron SDK is not a release this eagle3-build knows"})
             r({"event": "stage", "stage": "load"})
         assert "warning: the installed Neuron SDK is not a release this eagle3-build knows" in out.getvalue()
+
+
+def test_a_log_is_never_silent_for_long(monkeypatch):
+    """After HEARTBEAT_S without a line, a line says what the stage is doing: its latest progress (the GEMM
+    measurement names the format and row count) or the graphs compiling, with their time so far."""
+    import time
+
+    monkeypatch.setattr(LineReporter, "HEARTBEAT_S", 0.3)
+    out = StringIO()
+    r = progress_reporter("p", Console(file=out, force_terminal=False, width=200), as_json=False)
+    with r:
+        r({"event": "stage", "stage": "load"})
+        r({"event": "progress", "message": "target: GEMM formats at 4 row(s): preparing blocked (2/5)"})
+        time.sleep(1.5)
+        r({"event": "stage", "stage": "graphs", "total": 1, "jobs": 1})
+        r({"event": "graph", "graph": "a", "status": "compiling", "estimate": 10.0})
+        time.sleep(1.5)
+        r({"event": "graph", "graph": "a", "status": "compiled"})
+    lines = out.getvalue().splitlines()
+    beats = [x for x in lines if "elapsed" in x and " compiled " not in x]
+    assert any(x.startswith("p: load: target: GEMM formats at 4 row(s): preparing blocked (2/5)") for x in beats)
+    assert any(x.startswith("p: graphs: compiling a (") for x in beats)
+    gaps = [b for b in beats if b.startswith("p: load:")]
+    assert 1 <= len(gaps) <= 5  # (one every 0.3 s of silence, not one per second polled)
+
+
+def test_the_cli_filters_torchs_known_deprecation_warning():
+    """torch 2.13 warns when it copies an exported program's treespecs (a LeafSpec): the build's entry points
+    filter that one warning, nothing else."""
+    import subprocess
+    import sys
+
+    code = ("import copy, warnings\nfrom eagle3_build.progress import quiet_known_warnings\nquiet_known_warnings()\n"
+            "from torch.utils._pytree import tree_flatten\ncopy.deepcopy(tree_flatten([1, 2])[1])\n"
+            "warnings.warn('other', FutureWarning)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "LeafSpec" not in r.stderr and "other" in r.stderr, r.stderr
+    bare = subprocess.run([sys.executable, "-c", code.replace("quiet_known_warnings()\n", "")], capture_output=True,
+                          text=True, timeout=120)
+    assert "LeafSpec" in bare.stderr  # (the control: torch does warn)

@@ -38,8 +38,9 @@ What it does (every step seeded; see training/README.md for the numbers of the c
 6. Eval on the held-out set: for every response position, the number of leading draft steps that
    match the target's greedy continuation (K = 1..TTT) -> per-position acceptance and acceptance
    length, the quantities `eagle3-run --json` reports.
-7. Save demo/smollm2-135m-eagle3/{config.json, model-*.safetensors + index} in the speculators format read by
-   eagle3_build/checkpoints.py (layers.0.*, fc, norm, lm_head, d2t, t2d; bf16 weights; no embed_tokens).
+7. Save --out/{config.json, model-*.safetensors + index} (default artifacts/draft-trained; the committed draft,
+   demo/smollm2-135m-eagle3, only when named) in the speculators format read by eagle3_build/checkpoints.py
+   (layers.0.*, fc, norm, lm_head, d2t, t2d; bf16 weights; no embed_tokens).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ from eagle3_build.models.llama import RMSNorm, Rope, apply_rope
 AUX_LAYER_IDS = (2, 15, 27)  # input of target layer k; (2, L//2, L-3) for the 30-layer SmolLM2-135M
 EOS_ID = 2  # <|im_end|>
 DEFAULT_TARGET = REPO / "artifacts" / "smollm2-135m-instruct"
-DEFAULT_OUT = REPO / "demo" / "smollm2-135m-eagle3"
+DEFAULT_OUT = REPO / "artifacts" / "draft-trained"  # (never the committed demo/smollm2-135m-eagle3 by default)
 DATA_ROOT = REPO / "artifacts" / "eagle3-train-data"
 
 # ----------------------------------------------------------------------------- prompts

@@ -144,14 +144,15 @@ class AotiBackend(PerGraphBackend):
         kernel = {"blocked_kernel": inductor.kernel_tag()} if self.device == "cpu" else {}
         return {**fields, "pack_weights": True, **kernel}
 
-    def projection_layouts(self, bm, cache) -> ProjectionLayouts | None:
+    def projection_layouts(self, bm, cache, report=None) -> ProjectionLayouts | None:
         """Packed weights for the pair's float32 CPU graphs (gemm_choice), over the row counts of the whole plan
-        (every shard of a build gets the same)."""
+        (every shard of a build gets the same); the measurement says what it measures through `report`."""
         pair = bm.lp.pair
+        note = (lambda m: report({"event": "progress", "message": m})) if report else None
         record = self.gemm_choice(pair.dtype, gemm.projection_shapes(bm.models["target"][0]),
                                   plan_rows(pair, graph_plan(pair)), cache.root,
                                   gemm.projection_shapes(bm.models["draft"][0]),
-                                  bm.lp.draft.stored_dtype() == torch.bfloat16)
+                                  bm.lp.draft.stored_dtype() == torch.bfloat16, note)
         return self.layouts_of(record, pair)
 
     def layouts_of(self, record: dict | None, pair) -> ProjectionLayouts | None:
@@ -159,7 +160,8 @@ class AotiBackend(PerGraphBackend):
         return ProjectionLayouts(record, pair, self.codegen) if record else None
 
     def gemm_choice(self, dtype: str, shapes: list[tuple[int, int]], rows: list[int], cache_dir: Path | None,
-                    draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False) -> dict | None:
+                    draft_shapes: list[tuple[int, int]] | None = None, draft_bf16: bool = False,
+                    note=None) -> dict | None:
         """float32 projections of decode-sized graphs on CPU take packed weights (made by the runtime at
         load: eagle3_runtime.packing): per row count the fastest of plain and every format this torch can
         make, measured here (gemm.choose), or the format pack_weights names; none with pack_weights: false.
@@ -169,18 +171,19 @@ class AotiBackend(PerGraphBackend):
             return None
         exact = [f for f in PACK_FORMATS if buildable(f)]
 
-        def record(shapes_, bf16):
+        def record(shapes_, bf16, model):
             if bf16 and self.draft_bfloat16 is True:
                 return gemm.named_choice(self.bf16_formats()[0], rows)
             if self.pack_weights is True:
-                return gemm.choose(shapes_, rows, exact + (self.bf16_formats() if bf16 else []), cache_dir)
+                said = (lambda m: note(f"{model}: {m}")) if note else None
+                return gemm.choose(shapes_, rows, exact + (self.bf16_formats() if bf16 else []), cache_dir, said)
             return gemm.named_choice(self.pack_weights, rows)
 
         with self.codegen():  # (blocked formats are compiled for the bundle's ISA, and timed here)
-            out = record(shapes, False)
+            out = record(shapes, False, "target")
             if draft_shapes is not None:
                 bf16 = self.draft_bfloat16 is True or (self.draft_bfloat16 == "auto" and draft_bf16)
-                out["draft"] = record(draft_shapes, bf16)
+                out["draft"] = record(draft_shapes, bf16, "draft")
         return out
 
     def toolchain(self) -> dict[str, str]:

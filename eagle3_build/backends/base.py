@@ -99,10 +99,11 @@ class Backend(abc.ABC):
     def prepare(self, cache_root: Path) -> None:
         """Once per build (and per compile worker) before the first compile."""
 
-    def projection_layouts(self, bm, cache) -> Any:
+    def projection_layouts(self, bm, cache, report=None) -> Any:
         """How the pair's projection weights are laid out in this backend's graphs: an object with `record` (the
         build record's "gemm") and `for_graph(spec)` -> a graph's layout (key_fields(), recorder(), plan(...):
-        backends/cpu/packed.py); None: the weights as they are."""
+        backends/cpu/packed.py); None: the weights as they are. What it measures meanwhile goes to `report`
+        ({"event": "progress", "message": ...})."""
         return None
 
     def output_specs(self, module, example_args: tuple) -> list[tuple[list[int], object]]:

@@ -174,7 +174,7 @@ class PerGraphBackend(Backend):
         bm = build_models(load_pair(pair))
         specs = shard_specs(pair, self, index, count)
         report({"event": "shard", "index": index, "count": count, "graphs": [s.name for s in specs]})
-        return compile_graphs(bm, self, cache, self.projection_layouts(bm, cache), jobs, report, specs)[1]
+        return compile_graphs(bm, self, cache, self.projection_layouts(bm, cache, report), jobs, report, specs)[1]
 
     @classmethod
     def plan_keys(cls, bm: BuildModels, backend: Backend | None, cache: CompileCache) -> dict[str, str]:
@@ -189,7 +189,7 @@ def write_graphs(bm: BuildModels, root: Path, backend, cache: CompileCache, jobs
                  require_cached: bool) -> Written:
     """One graph file per (role, bucket) under root/graphs, then one weight file per rank and model."""
     t0 = time.perf_counter()
-    layouts = backend.projection_layouts(bm, cache)
+    layouts = backend.projection_layouts(bm, cache, report)
     fetched = fetch_graphs(bm, backend, cache, layouts, jobs, report, require_cached, root / "graphs")
     graph_entries, extra_files = [], []
     for tg, res in fetched:

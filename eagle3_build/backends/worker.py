@@ -96,6 +96,9 @@ def serve(backend: str) -> int:
 
 
 if __name__ == "__main__":
+    from ..progress import quiet_known_warnings
+
+    quiet_known_warnings()
     die_with_parent(int(sys.argv[3]))
     rc = serve(sys.argv[2])  # (python -m eagle3_build.backends.worker --serve BACKEND PARENT_PID)
     sys.stdout.flush()

@@ -14,6 +14,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,8 @@ def blocked_variants(shapes: list[tuple[int, int]], rows: int, fmt: str = BLOCKE
 
 
 def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str], repeats: int = REPEATS,
-               weights: list[torch.Tensor] | None = None, rounds: int = 1) -> dict[str, list[float]]:
+               weights: list[torch.Tensor] | None = None, rounds: int = 1,
+               note: Callable[[str], None] | None = None) -> dict[str, list[float]]:
     """Per candidate, the median ms of one pass of x @ W.T over every shape, x of `rows` rows, in each of `rounds`
     rounds of `repeats` passes (candidates interleaved; the first pass warms up and is not kept); a blocked candidate
     Inductor fails to compile here is left out, with a warning naming it (the record lists the candidates timed)."""
@@ -87,7 +89,9 @@ def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str]
 
     calls = {}
     with torch.inference_mode():
-        for candidate in candidates:
+        for i, candidate in enumerate(candidates):
+            if note is not None:
+                note(f"GEMM formats at {rows} row(s): preparing {candidate} ({i + 1}/{len(candidates)})")
             if candidate == PLAIN:  # (what linear does unpacked: weight-stationary up to SMALL_ROWS rows, else F.linear)
                 calls[candidate] = over_weights([(lambda x, w=w: linear(x, w)) for w in weights])
             elif candidate == F_LINEAR:
@@ -104,6 +108,8 @@ def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str]
                 calls[candidate] = over_weights([(lambda x, w=w, p=pack_weight(w, rows, candidate), f=candidate:
                                                   packed_linear(x, p, w, None, f)) for w in weights])
         ms: dict[str, list[float]] = {f: [] for f in calls}
+        if note is not None:
+            note(f"GEMM formats at {rows} row(s): timing {len(calls)} candidates, {repeats * rounds} passes each")
         for rep in range(repeats * rounds + 1):
             for candidate, run in calls.items():
                 t0 = time.perf_counter()
@@ -160,7 +166,8 @@ def formats_for(rows: int, formats: list[str]) -> list[str]:
     return [PLAIN, *(f for f in formats if rows <= SMALL_ROWS or f in ONEDNN_FORMATS)]
 
 
-def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None) -> dict:
+def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], cache_dir: Path | None,
+           note: Callable[[str], None] | None = None) -> dict:
     """{"cpu", "threads", "torch", "formats", "torch_hooks", "rows": {"R": {"choice": candidate, "ms": {candidate:
     [ms per round]}}}} for every row count in `rows` with a candidate besides "plain" (formats_for); memoised in cache_dir per row count (a new bucket
     measures its own row count only: the others keep their choice, and the graphs their cache keys)."""
@@ -190,7 +197,7 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
         candidates = formats_for(r, formats)
         candidates += [v for f in BLOCKED_FORMATS if f in candidates for v in blocked_variants(shapes, r, f)]
         ms = time_formats(shapes, r, candidates, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights,
-                          rounds=ROUNDS) if len(candidates) > 1 else {PLAIN: [0.0]}
+                          rounds=ROUNDS, note=note) if len(candidates) > 1 else {PLAIN: [0.0]}
         known[str(r)] = {"choice": pick_fastest(ms), "ms": ms}
     if path is not None and missing:
         path.parent.mkdir(parents=True, exist_ok=True)
