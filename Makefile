@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
 UV_INSTALL = $(1)/uv pip install -q --python $(1)/python --compile-bytecode $(foreach d,$(FIND_LINKS),--find-links $(d))
 define install_reqs
-	$(1)/pip install -q uv && $(call UV_INSTALL,$(1)) -r $(2) && \
+	$(1)/pip install -qq uv && $(call UV_INSTALL,$(1)) -r $(2) && \
 	  $(call UV_INSTALL,$(1)) --no-deps -e ./eagle3_runtime -e . || { \
 	  echo "uv unavailable or failed: installing with pip"; $(1)/pip install -q --upgrade pip && \
 	  $(1)/pip install -q -r $(2) && $(1)/pip install -q --no-deps -e ./eagle3_runtime -e .; }
