@@ -209,3 +209,15 @@ def test_each_sdk_release_compiles_a_model_and_is_recorded(monkeypatch, tmp_path
         "speculation": pair.speculation.model_copy(update={"shapes": {1: pair.speculation.shapes[1]}})})
     info = backend.compile_model(spmd_graphs(pair)["draft"], 2, tmp_path / "out")
     assert (tmp_path / "out" / "draft.pt").is_file() and "kv_move" in info
+
+
+def test_plan_refuses_an_unknown_neuron_generation(tmp_path):
+    from eagle3_build.testing.tiny import make_tiny_pair
+
+    recipe = make_tiny_pair(tmp_path / "pair")
+    text = recipe.read_text()
+    recipe.write_text(text.replace("backend: export", "backend: neuron\n    backend_options: {generation: gen9}"))
+    assert "generation: gen9" in recipe.read_text()
+    r = run_cli("eagle3-build", "plan", str(recipe))
+    assert r.returncode == 2 and "backend_options.generation: 'gen9' is not a Neuron SDK generation" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -148,7 +148,7 @@ class NeuronBackend(Backend):
     @classmethod
     def plan_compiler_args(cls, pair) -> dict[str, list[str]] | None:
         args = PlanArgs({role: compiler_args(pair.backend_options, role) for role in ROLES})
-        args.generation = generation(pair.backend_options, strict=False)
+        args.generation = generation(pair.backend_options)
         if args.generation == NEFF_GENERATION:
             version = neuron_sdk.distribution_version("neuronx-cc") or NEFF_COMPILER
             args.target = flag_value(next(iter(args.values())), "--target") or "trn2"
@@ -217,15 +217,13 @@ class PlanArgs(dict):
     target: str = "trn2"
 
 
-def generation(backend_options: dict, strict: bool = True) -> str:
+def generation(backend_options: dict) -> str:
     """The SDK generation to build for: backend_options.generation, else the one this host's SDK packages are,
-    else the NxD generation (whose checks name what to install)."""
+    else the NxD generation (whose checks name what to install); UserError for a name that is none."""
     gen = backend_options.get("generation") or neuron_sdk.host_generation() or NXD_GENERATION
     if gen not in GENERATIONS:
-        if strict:
-            raise UserError(f"backend_options.generation: {gen!r} is not a Neuron SDK generation; use "
-                            + " or ".join(f"{g!r} ({d})" for g, d in GENERATIONS.items()))
-        return NXD_GENERATION
+        raise UserError(f"backend_options.generation: {gen!r} is not a Neuron SDK generation; use "
+                        + " or ".join(f"{g!r} ({d})" for g, d in GENERATIONS.items()))
     return gen
 
 
