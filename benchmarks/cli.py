@@ -12,6 +12,7 @@
   seeded-repro  seeded sampled requests alone and two at a time: same tokens?
   build         build time and decode speed of the aoti backend on a tiny pair
   shard         the streaming sharder against load-everything-then-slice
+  results       docs/results.md, docs/speed.png and the README's speed table from benchmarks/results/*.json
 
 Threads default to $EAGLE3_NUM_THREADS, else the cores this process may use. Results: --save-result PATH and / or
 --record NAME (benchmarks/results/NAME.<host-kind>.json, the one current result of NAME on this kind of host).
@@ -517,3 +518,20 @@ def shard_child(mode: str, src: Path, out: Path, tp: int):
     from .build import child
 
     child(mode, src, out, tp)
+
+
+@app.command("results")
+def results_page(check: bool = typer.Option(False, "--check", help="only say whether the generated files match the "
+                                            "JSON (exit 1 where they do not)")):
+    """Regenerate docs/results.md, docs/speed.png and the README's speed table from benchmarks/results/*.json."""
+    from . import results_page as rp
+
+    if check:
+        bad = rp.stale()
+        for p in bad:
+            print(f"{p.relative_to(REPO)} differs from what benchmarks/results gives: run python -m benchmarks results")
+        raise typer.Exit(1 if bad else 0)
+    for path, text in rp.generate().items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(REPO)}")
+    print(f"wrote {rp.CHART.relative_to(REPO)}")

@@ -64,5 +64,6 @@ def summary(host: dict) -> str:
 
 def use_huge_pages() -> None:
     """2 MB pages for the process's tensors (read by PyTorch's CPU allocator at its first allocation): with 4 KB
-    pages the bundle loaded first into a process ran slower than the one loaded after it (README, engine_ab's bias)."""
+    pages the bundle loaded first into a process ran slower than the one loaded after it (the engine A/B's bias:
+    benchmarks/results/smollm2-engine-ab-same-bundle-{4k-pages,thp}.intel-xeon-avx512.json)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

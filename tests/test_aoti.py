@@ -488,6 +488,21 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     assert set(gemm.time_formats([(64, 32)], 2, ["plain", "blocked"], repeats=1)) == {"plain"}
 
 
+def test_a_round_of_gemm_timing_ends_when_its_ranking_is_clear(monkeypatch):
+    from eagle3_build.backends.cpu import gemm
+
+    assert gemm.ranking_clear({"plain": [14.3, 14.1, 14.5], "blocked": [8.1, 8.3, 8.2]})
+    assert not gemm.ranking_clear({"onednn": [9.0, 9.1, 9.0], "blocked": [8.1, 8.3, 8.6]})  # (within CLEAR)
+    assert not gemm.ranking_clear({"plain": [14.3, 7.9, 14.5], "blocked": [8.1, 8.3, 8.2]})  # (one pass overlaps)
+    assert gemm.ranking_clear({"plain": [1.0]})
+    for clear, asked in ((True, 2), (False, 2 * (40 - gemm.MIN_PASSES + 1))):  # (per round: once, or every pass)
+        checks = []
+        monkeypatch.setattr(gemm, "ranking_clear", lambda ms, c=clear: checks.append(len(ms["plain"])) or c)
+        ms = gemm.time_formats([(512, 256)] * 4, 1, ["plain", gemm.F_LINEAR], repeats=40, rounds=2)
+        assert set(ms) == {"plain", gemm.F_LINEAR} and all(len(v) == 2 for v in ms.values())
+        assert len(checks) == asked and checks[0] == gemm.MIN_PASSES and max(checks) == (3 if clear else 40)
+
+
 @pytest.mark.skipif(not pack_available("onednn"), reason="this torch has no oneDNN packing")
 def test_a_new_prefill_bucket_rekeys_its_own_graphs_only(world, tmp_path):
     """A graph's key names the GEMM choice of the row counts its projections use (graph_rows), not of every

@@ -134,13 +134,17 @@ def test_demo_recipe():
         return
     (p,) = load_recipe(RECIPE).pairs
     assert p.dtype == "float32" and p.parallel.tp_degree == 1
-    assert p.speculation.shapes[1].describe() == "chain K 3"  # served faster than the tree on MT-Bench (recipe)
-    # chosen among on the host; the trees' tags name their paths: the ones training/tree_shapes.py fitted
-    assert [s.tag for s in p.speculation.menu[1]] == ["chain1", "chain2", "chain4", "static4x6-e5e1f6",
-                                                      "static4x8-28c24c"]
+    assert p.speculation.shapes[1].describe() == "chain K 3" and not p.speculation.menu.get(1)
     assert p.serving.max_num_seqs == 1 and p.buckets.batch == [1] and p.buckets.prefill == [64, 128, 256, 512]
     assert p.backend == "aoti"  # native code: the demo answers faster than transformers eager
     assert Path(p.draft.path) == DRAFT_DIR
+    # the menu recipe: the same pair with shapes chosen among on the host; the trees' tags name their paths:
+    # the ones training/tree_shapes.py fitted
+    (m,) = load_recipe(RECIPE.with_name("smollm2-135m-eagle3-menu.yaml")).pairs
+    assert m.name == "smollm2-135m-eagle3-menu" and m.speculation.shapes[1].describe() == "chain K 3"
+    assert [s.tag for s in m.speculation.menu[1]] == ["chain1", "chain2", "chain4", "static4x6-e5e1f6",
+                                                      "static4x8-28c24c"]
+    assert (m.target.path, m.draft.path, m.buckets.prefill) == (p.target.path, p.draft.path, p.buckets.prefill)
 
 
 def test_eagle3_run_chat_applies_the_template(tiny_bundles):
@@ -227,3 +231,21 @@ def test_magpie_prompts_keep_complete_distinct_user_turns():
     assert calls[0][0] == header and calls[0][1]["do_sample"] and calls[0][1]["eos_token_id"] == eos
     with pytest.raises(SystemExit, match="usable prompts"):  # a sampler that never finishes a turn
         tr.magpie_prompts(Sampler(), tok, 50, seed=0, batch=5, log=lambda m: None)
+
+
+def test_training_scripts_never_write_the_committed_draft_by_default():
+    import ast
+
+    outs = {}
+    for script in sorted((REPO / "training").glob("*.py")):
+        text = script.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and node.args[0].value == "--out":
+                default = next((k.value for k in node.keywords if k.arg == "default"), None)
+                outs[script.name] = ast.get_source_segment(text, default) if default is not None else "required"
+    assert {"train_eagle3_draft.py", "scale_draft.py"} <= set(outs)
+    for name, default in outs.items():
+        assert "demo" not in default, f"{name}: --out defaults to {default}"
+    tr = _training_module()
+    assert tr.DEFAULT_OUT.is_relative_to(REPO / "artifacts")

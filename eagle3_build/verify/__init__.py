@@ -16,7 +16,7 @@ deterministic prompt set and checks three things:
 Modules: ``prompts`` (built-in set, files, admission), ``reference``, ``compare``, ``diagnose``,
 ``report`` (VerifyReport, render_report), ``run`` (verify_bundle). ``run_verify`` lives here so that
 it calls this package's ``verify_bundle`` (what tests replace). How the tolerances were measured:
-docs/verify-measurements.md. The runtime never imports this package (it needs transformers).
+docs/verify.md. The runtime never imports this package (it needs transformers).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The lossless check: the bundle's greedy tokens against the reference's, and when a difference is a
-numerical near-tie (see docs/verify-measurements.md for how the tolerances were chosen)."""
+numerical near-tie (docs/verify.md, "The lossless check": how the tolerances were chosen)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,7 +2,8 @@
 
 Per token row count, the candidates (plain and each packing format this torch can make and compile here) are
 timed side by side over the model's own projection shapes, streamed from memory as when served; the fastest wins
-unless an earlier candidate is within MARGIN, in each of ROUNDS rounds. Answers are memoised per host under the
+unless an earlier candidate is within MARGIN, in each of ROUNDS rounds. A round ends early once its ranking is
+clear (every pass of the fastest faster than every pass of the others by CLEAR). Answers are memoised per host under the
 compile cache and kept in the manifest's build record. docs/architecture.md (glossary) and docs/linear-layout.md.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ F_LINEAR = "F.linear"  # (x @ W.T as ATen runs it: a reference for benchmarks, n
 MAX_BYTES = 1 << 30  # weights allocated for the measurement (more than any CPU's last-level cache)
 MARGIN = 0.03
 ROUNDS = 2
+CLEAR = 0.10  # a round stops after MIN_PASSES once the fastest's slowest pass beats the others' fastest by this
+MIN_PASSES = 3
 REPEATS = 25  # per decode-sized row count (fewer let close medians swap between runs: docs/linear-layout.md); 3 per
 # prefill-sized one (each pass is 10-100x longer)
 
@@ -107,17 +110,32 @@ def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str]
             else:
                 calls[candidate] = over_weights([(lambda x, w=w, p=pack_weight(w, rows, candidate), f=candidate:
                                                   packed_linear(x, p, w, None, f)) for w in weights])
-        ms: dict[str, list[float]] = {f: [] for f in calls}
         if note is not None:
-            note(f"GEMM formats at {rows} row(s): timing {len(calls)} candidates, {repeats * rounds} passes each")
-        for rep in range(repeats * rounds + 1):
-            for candidate, run in calls.items():
-                t0 = time.perf_counter()
-                run()
-                if rep:
+            note(f"GEMM formats at {rows} row(s): timing {len(calls)} candidates, up to {repeats * rounds} passes each")
+        for run in calls.values():  # (warm-up, not kept)
+            run()
+        medians: dict[str, list[float]] = {f: [] for f in calls}
+        for _ in range(rounds):
+            ms: dict[str, list[float]] = {f: [] for f in calls}
+            for rep in range(repeats):
+                for candidate, run in calls.items():
+                    t0 = time.perf_counter()
+                    run()
                     ms[candidate].append((time.perf_counter() - t0) * 1e3)
-    return {f: [round(statistics.median(v[i * repeats:(i + 1) * repeats]), 3) for i in range(rounds)]
-            for f, v in ms.items()}
+                if rep + 1 >= MIN_PASSES and ranking_clear(ms):
+                    break
+            for f, v in ms.items():
+                medians[f].append(round(statistics.median(v), 3))
+    return medians
+
+
+def ranking_clear(ms: dict[str, list[float]]) -> bool:
+    """Whether more passes cannot change the winner: the fastest candidate's slowest pass beats every other
+    candidate's fastest by CLEAR."""
+    if len(ms) < 2:
+        return True
+    best = min(ms, key=lambda f: statistics.median(ms[f]))
+    return all(max(ms[best]) * (1 + CLEAR) < min(v) for f, v in ms.items() if f != best)
 
 
 def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor],
