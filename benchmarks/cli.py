@@ -411,7 +411,12 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
             repeats: int = typer.Option(1, min=1),
             interleave: bool = typer.Option(False, help="every server up at once, each prompt through every "
                                             "contender in turn"),
-            gap: float = typer.Option(0.3, min=0, help="--interleave: seconds of quiet before each request"),
+            gap: float = typer.Option(1.5, min=0, help="--interleave: seconds of quiet before each request (a vLLM-CPU "
+                                      "worker keeps spinning about a second after a request ends)"),
+            neighbour: Optional[str] = typer.Option(None, metavar="BUSY/PERIOD", help="--interleave: each server's "
+                                                    "turn twice, alone and beside a process busy BUSY s of every "
+                                                    "PERIOD s (0.05/0.1: half of one core); its pass '<name> "
+                                                    "+neighbour'"),
             no_in_process: bool = typer.Option(False, help="no in-process pass"),
             server_timeout: float = typer.Option(900.0),
             plot: Optional[Path] = typer.Option(None, help="a bar chart here"),
@@ -424,6 +429,13 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
     from .prompts import texts as prompt_texts
 
     texts = prompt_texts(prompts, num_prompts)
+    try:
+        neighbour_duty = hosts.parse_neighbour(neighbour) if neighbour else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--neighbour") from None
+    if neighbour_duty and not interleave:
+        raise typer.BadParameter("needs --interleave (alone and neighboured turns side by side)",
+                                 param_hint="--neighbour")
     if install and not no_vllm:
         vv.install_vllm(vllm_venv)
     if not no_vllm and not vv.vllm_python(vllm_venv).exists():
@@ -431,7 +443,8 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
     host = _start(threads)
     args = argparse.Namespace(bundle=bundle, target=target, draft=draft, vllm_venv=vllm_venv, prompts=prompts,
                               max_tokens=max_tokens, threads=host["threads"], repeats=repeats, interleave=interleave,
-                              gap=gap, no_in_process=no_in_process, server_timeout=server_timeout)
+                              gap=gap, no_in_process=no_in_process, server_timeout=server_timeout,
+                              neighbour=neighbour_duty)
     modes = _csv(eagle3)
     makers = {f"eagle3 {m}": (lambda d, m=m: vv.eagle3_server(args, m, d)) for m in modes}
     if not no_vllm:

@@ -1,9 +1,12 @@
 """What a measurement names its host by: CPU model and vector ISA, cores and threads, and what else was running."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +70,31 @@ def use_huge_pages() -> None:
     pages the bundle loaded first into a process ran slower than the one loaded after it (the engine A/B's bias:
     benchmarks/results/smollm2-engine-ab-same-bundle-{4k-pages,thp}.intel-xeon-avx512.json)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+NEIGHBOUR = ("import sys, time\nbusy, period = float(sys.argv[1]), float(sys.argv[2])\nwhile True:\n"
+             "    t = time.perf_counter()\n    while time.perf_counter() - t < busy:\n        pass\n"
+             "    time.sleep(period - busy)\n")
+
+
+def parse_neighbour(text: str) -> tuple[float, float]:
+    """'BUSY/PERIOD' in seconds (0.05/0.1: busy half of one core) -> (busy, period)."""
+    try:
+        busy, period = (float(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected BUSY/PERIOD in seconds, e.g. 0.05/0.1") from None
+    if not 0 < busy < period:
+        raise ValueError(f"{text!r}: expected 0 < BUSY < PERIOD")
+    return busy, period
+
+
+@contextlib.contextmanager
+def neighbour(busy: float, period: float):
+    """Another process on the host while the block runs: one thread busy `busy` s of every `period` s (a log
+    shipper, a scrape, a sidecar), placed by the scheduler like any other."""
+    proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(busy), str(period)], stdin=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

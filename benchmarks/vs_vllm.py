@@ -13,6 +13,7 @@ server's OpenMP threads spin for a while): the host's drift within the run then 
 removed (built against another torch)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from . import host as hosts
 from .prompts import encode
 from .serving import Server, ServerError, chat_stream, eagle3_serve, finish_pass, warm
 
@@ -80,25 +82,41 @@ def run_pass(server: Server, texts: list[str], max_tokens: int, timeout: float) 
         return finish_pass(c, server, [chat_stream(c, server.base_url, model, t, max_tokens) for t in texts], before)
 
 
+NEIGHBOURED = " +neighbour"  # (a contender's requests sent while a neighbour process runs: --neighbour)
+
+
 def interleaved(servers: dict[str, Server], ip: InProcess | None, texts: list[str], max_tokens: int,
-                gap: float, timeout: float) -> tuple[dict[str, dict], dict | None]:
+                gap: float, timeout: float, neighbour: tuple[float, float] | None = None
+                ) -> tuple[dict[str, dict], dict | None]:
     """Every server up at once and each prompt through every contender in turn (the order rotated prompt by
     prompt, `gap` seconds of quiet before each request so that an idle server's spinning OpenMP threads have
-    stopped): a slow stretch of a shared host hits every contender alike. One pass per server as run_pass
-    gives it, and the in-process pass."""
-    reqs: dict[str, list[dict]] = {name: [] for name in servers}
+    stopped): a slow stretch of a shared host hits every contender alike. With `neighbour` (busy, period), each
+    server's turn is taken twice, alone and with a neighbour process running (hosts.neighbour), the order of the
+    two alternating prompt by prompt; its neighboured requests are the pass "<server> +neighbour". One pass per
+    server as run_pass gives it, and the in-process pass."""
+    names = [n + suffix for n in servers for suffix in (("", NEIGHBOURED) if neighbour else ("",))]
+    reqs: dict[str, list[dict]] = {name: [] for name in names}
     gens: dict[str, list] = {mode: [] for mode in (ip.engines if ip else ())}
+
+    def ask(c, i, name, server, model, neighboured):
+        with hosts.neighbour(*neighbour) if neighboured else contextlib.nullcontext():
+            time.sleep(gap)
+            reqs[name + (NEIGHBOURED if neighboured else "")].append(
+                chat_stream(c, server.base_url, model, texts[i], max_tokens))
+
     with httpx.Client(timeout=timeout) as c:
         warmed = {name: warm(c, server) for name, server in servers.items()}
-        turns = [lambda i, name=name, s=server: reqs[name].append(
-                     chat_stream(c, s.base_url, warmed[name][0], texts[i], max_tokens)) for name, server in servers.items()]
-        turns += [lambda i, mode=mode: gens[mode].append(ip.generate(mode, i, max_tokens)) for mode in gens]
+        turns = [lambda i, name=name, s=server: [
+                     ask(c, i, name, s, warmed[name][0], bool(neighbour) and (i + j) % 2 == 1)
+                     for j in range(2 if neighbour else 1)] for name, server in servers.items()]
+        turns += [lambda i, mode=mode: (time.sleep(gap), gens[mode].append(ip.generate(mode, i, max_tokens)))
+                  for mode in gens]
         for i in range(len(texts)):
             for turn in turns[i % len(turns):] + turns[:i % len(turns)]:
-                time.sleep(gap)
                 turn(i)
             print(f"prompt {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
-        passes = {name: finish_pass(c, server, reqs[name], warmed[name][1]) for name, server in servers.items()}
+        passes = {name: finish_pass(c, servers[name.removesuffix(NEIGHBOURED)], reqs[name],
+                                    warmed[name.removesuffix(NEIGHBOURED)][1]) for name in names}
     return passes, ip.record(gens) if ip else None
 
 
@@ -183,7 +201,7 @@ def run_sequential(args, makers: dict, texts: list[str], modes: list[str], log_d
 def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_dir: Path
                     ) -> tuple[dict[str, list[dict]], list[dict]]:
     """Every server up at once, --repeats interleaved passes (`interleaved`)."""
-    passes: dict[str, list[dict]] = {n: [] for n in makers}
+    passes: dict[str, list[dict]] = {n + s: [] for n in makers for s in (("", NEIGHBOURED) if args.neighbour else ("",))}
     ip_passes: list[dict] = []
     servers = {name: make(log_dir) for name, make in makers.items()}
     try:
@@ -191,7 +209,7 @@ def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_
             server.start(args.server_timeout)
         ip = None if args.no_in_process else InProcess(args.bundle, texts, modes)
         for _ in range(args.repeats):
-            got, ip_pass = interleaved(servers, ip, texts, args.max_tokens, args.gap, 600.0)
+            got, ip_pass = interleaved(servers, ip, texts, args.max_tokens, args.gap, 600.0, args.neighbour)
             for name, p in got.items():
                 passes[name].append(p)
             ip_passes += [ip_pass] if ip_pass else []
@@ -241,11 +259,16 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
               "text_reference": ref_name, "contenders": contenders, "server_logs": str(log_dir)}
     if "eagle3 auto" in contenders and "eagle3 none" in contenders:
         result["eagle3_auto_vs_none"] = round(contenders["eagle3 auto"]["tok_s"] / contenders["eagle3 none"]["tok_s"], 3)
-    vllm = {n: c for n, c in contenders.items() if n.startswith("vllm K")}
+    vllm = {n: c for n, c in contenders.items() if n.startswith("vllm K") and not n.endswith(NEIGHBOURED)}
     if vllm and "eagle3 auto" in contenders:
         best = max(vllm, key=lambda n: vllm[n]["tok_s"])
         result["vllm_best"] = best
         result["eagle3_auto_vs_vllm_best"] = round(contenders["eagle3 auto"]["tok_s"] / vllm[best]["tok_s"], 3)
+    beside = {n.removesuffix(NEIGHBOURED): round(c["tok_s"] / contenders[n.removesuffix(NEIGHBOURED)]["tok_s"], 3)
+              for n, c in contenders.items() if n.endswith(NEIGHBOURED) and contenders.get(n.removesuffix(NEIGHBOURED))}
+    if beside:
+        result["neighbour"] = {"busy_s": args.neighbour[0], "period_s": args.neighbour[1]}
+        result["with_neighbour_vs_alone"] = beside
     if ip_passes:
         result["in_process"] = ip = in_process_summary(ip_passes)
         for mode in modes:
@@ -258,6 +281,8 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
     for mode, rec in result.get("in_process", {}).items():
         print(f"in-process {mode}: {rec['tok_s']:6.2f} tok/s; served / in-process "
               f"{result.get(f'served_vs_in_process_{mode}')}")
+    for name, ratio in beside.items():
+        print(f"{name}: with the neighbour / alone {ratio}")
     for key in ("eagle3_auto_vs_none", "vllm_best", "eagle3_auto_vs_vllm_best"):
         if key in result:
             print(f"{key}: {result[key]}")

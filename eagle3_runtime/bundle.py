@@ -116,6 +116,11 @@ class Bundle:
         """Graph name -> seconds per call on this host: `costs` where warm calls were timed, else `timings`."""
         return {**self.timings, **self.costs}
 
+    @property
+    def thread_ratio(self) -> float | None:
+        """One thread's decode time over all threads' on this host (warm_up; None before it or with one thread)."""
+        return getattr(self.backend, "thread_ratio", None)
+
     def warm_up(self) -> dict[str, float]:
         return self.backend.warm_up()
 

@@ -45,6 +45,7 @@ from .errors import Eagle3Error
 from .bundle import Bundle, call_by_name
 from .graph_contract import can_speculate, draft_unrolled, pick_context
 from .manifest import torch_dtype
+from .contention import ThreadGovernor
 from .speculation import NO_SPECULATION, SpecShape
 from .metrics import Metrics, SpecStats
 from .sampling import SamplingParams, Uniform, Uniforms, next_token, verify_tree_sampled
@@ -180,8 +181,10 @@ def check_request(n_prompt: int, max_tokens: int, longest_prompt: int, max_model
 class Engine:
     def __init__(self, bundle: Bundle, *, tokenizer: BundleTokenizer | None = None,
                  speculative: bool = True, max_queue: int = 64, metrics: Metrics | None = None,
-                 on_dead: Callable[[str], None] | None = None, speculation: str = "always"):
+                 on_dead: Callable[[str], None] | None = None, speculation: str = "always",
+                 governor: ThreadGovernor | None = None):
         self.bundle = bundle
+        self.governor = governor  # (the decode steps' thread count under contention: contention.py)
         m = bundle.manifest
         self.K, self.max_len, self.max_num_seqs = m.num_speculative_tokens, m.max_model_len, m.max_num_seqs
         self.prefill_buckets, self.batch_buckets, self.context_buckets = \
@@ -294,9 +297,19 @@ class Engine:
             self.metrics.step_latency.labels("prefill").observe(time.perf_counter() - t0)
             self._free_finished()
         if self.active:
+            gov, rows = self.governor, len(self.active)
+            threads = gov.next_threads() if gov is not None else None
+            if threads is not None and threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
             t0 = time.perf_counter()
             kind = self._decode_step()
-            self.metrics.step_latency.labels(kind).observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.metrics.step_latency.labels(kind).observe(seconds)
+            if gov is not None:
+                switches = gov.switches
+                gov.observe((kind, rows), threads, seconds)
+                self.metrics.threads.set(gov.current)
+                self.metrics.thread_switches.inc(gov.switches - switches)
             self._free_finished()
         self.metrics.running.set(len(self.active))
 

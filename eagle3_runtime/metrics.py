@@ -111,6 +111,10 @@ class Metrics:
         self.running = Gauge("eagle3_num_requests_running", "Requests holding a KV-cache row", registry=r)
         self.step_latency = Histogram("eagle3_step_latency_seconds", "Engine step latency by kind",
                                       ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.threads = Gauge("eagle3_decode_threads", "Threads of the decode steps now (fewer while another process "
+                             "takes part of a core: the thread governor)", registry=r)
+        self.thread_switches = Counter("eagle3_decode_thread_switches", "Times the thread governor changed the "
+                                       "decode steps' thread count", registry=r)
         self.graph_latency = Histogram("eagle3_graph_latency_seconds", "Compiled graph call latency by role and bucket",
                                        ["role", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
         self.speculation = Gauge("eagle3_speculation_shape", "The speculation shape served per batch bucket (1: "

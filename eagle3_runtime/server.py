@@ -53,6 +53,7 @@ from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, 
                        CompletionRequest, parse_json, read_body, short_repr, text_content, validate)
 from .sampling import SamplingParams
 from .tokenizer import load_text
+from .contention import governor_for
 from .torch_thread import TorchThread
 from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
@@ -70,7 +71,8 @@ class Server:
         self.torch_thread = torch_thread  # (the thread that loaded the bundle runs the engine: torch_thread.py)
         self.tokenizer, self.chat = bundle.text or load_text(bundle.root)
         self.engine = Engine(bundle, tokenizer=self.tokenizer, speculative=speculative, max_queue=max_queue,
-                             on_dead=self._engine_died, speculation=speculation)
+                             on_dead=self._engine_died, speculation=speculation,
+                             governor=governor_for(bundle, os.environ))
         self.model_name = model_name or bundle.manifest.name
         self.created = int(time.time())
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout

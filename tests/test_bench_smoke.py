@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 SUBCOMMANDS = ["demo", "shapes", "engine", "prefill", "graph", "gemm", "gemm-blocking", "serve", "vs-vllm",
-               "seeded-repro", "build", "shard"]
+               "seeded-repro", "build", "shard", "results"]
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
@@ -159,10 +159,12 @@ def test_vs_vllm_interleaved_smoke(tiny_bundles, tmp_path):
     prompts.write_text("The quick brown fox\nOnce upon a time\nName a color.\n")
     res = _run_bench("vs-vllm", "--bundle", str(bundle), "--no-vllm", "--prompts", str(prompts), "--num-prompts",
                      "3", "--max-tokens", "12", "--threads", "1", "--eagle3", "chain3,none", "--interleave",
-                     "--gap", "0", "--save-result", str(tmp_path / "r.json"))
+                     "--gap", "0", "--neighbour", "0.01/0.02", "--save-result", str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text()) == res and res["interleaved"]
     _recorded(res)
-    assert set(res["contenders"]) == {"eagle3 chain3", "eagle3 none"} and set(res["in_process"]) == {"chain3", "none"}
+    assert set(res["contenders"]) == {"eagle3 chain3", "eagle3 none", "eagle3 chain3 +neighbour",
+                                      "eagle3 none +neighbour"} and set(res["in_process"]) == {"chain3", "none"}
+    assert set(res["with_neighbour_vs_alone"]) == {"eagle3 chain3", "eagle3 none"} and res["neighbour"]["busy_s"] == 0.01
     assert all(c["same_text_as_plain"] == 3 and c["tokens"] > 0 for c in res["contenders"].values())
     assert res["contenders"]["eagle3 chain3"]["acceptance_length"] >= 1.0
     assert res["served_vs_in_process_chain3"] > 0 and res["served_vs_in_process_none"] > 0

@@ -106,6 +106,7 @@ class GraphRunner:
     root: Path
     timings: dict[str, float]  # graph name -> seconds of its first call on this host (warm_up)
     costs: dict[str, float]  # graph name -> seconds per call once warm, decode-loop graphs (warm_up)
+    thread_ratio: float | None = None  # one thread's decode time over all threads' (warm_up)
 
     graphs: dict  # graph name -> what the engine calls
 
@@ -165,7 +166,27 @@ class GraphRunner:
             if spent + last > budget_s:  # (the first pass always runs: every graph gets a warm time)
                 break
         self.costs = {name: statistics.median(ts) for name, ts in times.items()}
+        self.thread_ratio = self._thread_ratio(inputs)
         return self.timings
+
+    def _thread_ratio(self, inputs: dict, repeats: int = 3) -> float | None:
+        """One thread's time over all threads' for the smallest batch bucket's decode pass on this host (the
+        thread governor's estimate, contention.py); None with one thread."""
+        threads = torch.get_num_threads()
+        if threads < 2:
+            return None
+        g = self.manifest.graph("target_decode", self.manifest.batch_buckets[0])
+        times: dict[int, list[float]] = {threads: [], 1: []}
+        try:
+            for _ in range(repeats):
+                for n in (1, threads):
+                    torch.set_num_threads(n)
+                    t0 = time.perf_counter()
+                    call_by_name(self.graphs[g.name], inputs[g.name])
+                    times[n].append(time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(threads)
+        return max(1.0, statistics.median(times[1]) / statistics.median(times[threads]))
 
 
 class RuntimeBackend(GraphRunner, BackendFacts):
