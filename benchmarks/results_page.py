@@ -163,6 +163,9 @@ def headline(r: Result) -> str:
             if isinstance(d.get(key), dict):
                 flat = {k: v for k, v in d[key].items() if isinstance(v, (int, float, str))}
                 return ", ".join(f"{k} {v}" for k, v in list(flat.items())[:5])
+        if isinstance(d.get("result"), dict) and all(isinstance(v, dict) for v in d["result"].values()):
+            return "; ".join(f"{k}: " + ", ".join(f"{a} {b}" for a, b in v.items() if isinstance(b, (int, float)))
+                             for k, v in list(d["result"].items())[:3])
         if "reproduced" in d:
             return f"{d['reproduced']}/{d['num_requests']} seeded requests reproduced"
         if "ok" in d:

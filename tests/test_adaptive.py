@@ -203,3 +203,36 @@ def test_the_preferred_shape_starts_when_it_is_within_the_margin():
     best = Candidate("chain K 1", round_s=PLAIN.round_s * 1.6 / 1.02, reach=(0.6,))  # 1.02x plain
     under = Candidate(CHAIN3.name, round_s=PLAIN.round_s * 2.15 / 0.99, reach=CHAIN3.reach)  # 0.99x plain
     assert chooser(PLAIN, under, best, preferred=CHAIN3.name).current == "chain K 1"
+
+
+def test_each_batch_bucket_chooses_from_its_own_costs(bundle):
+    """A bundle with batch buckets 1 and 2 and injected per-graph costs: where the verify of two rows costs what it
+    brings (a compute-bound batch) the bucket decodes plainly, while batch 1 speculates; two requests at once run in
+    the batch-2 bucket without speculation and give the tokens each gives alone."""
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+
+    b = Bundle(bundle)
+    b.warm_up()
+    m = b.manifest
+    assert m.batch_buckets == [1, 2]
+    shape = {k: s.describe() for k, s in m.speculation.items()}
+    ms = {1: {"target_decode": 40, "target_verify": 44, "draft_chain": 6, "draft_catchup": 5},
+          2: {"target_decode": 42, "target_verify": 120, "draft_chain": 8, "draft_catchup": 7}}
+    b.backend.costs = {g.name: ms[g.bucket][g.role] / 1e3 for g in m.graphs
+                       if g.role in ms[1] and g.bucket in ms}
+    m.build["acceptance"] = {s: {"reach": [0.6, 0.35, 0.2]} for s in shape.values()}
+    e = Engine(b, speculation="auto")
+    assert e.choosers[1].current == shape[1] and e.choosers[2].current == NONE
+    report = e.speculation_report()
+    assert report[0].startswith(f"speculation at batch 1: {shape[1]}") and report[1].startswith("speculation at batch 2: none")
+    prompts = [list(range(5, 21)), list(range(30, 41))]
+    alone = [Engine(b, speculation="none").generate(p, 16).token_ids for p in prompts]
+    together = e.generate_many(prompts, 16)
+    assert [g.token_ids for g in together] == alone
+    from prometheus_client import generate_latest
+
+    text = generate_latest(e.metrics.registry).decode()  # (batch 1 speculated; the steps of two rows were plain)
+    assert 'eagle3_step_latency_seconds_count{kind="decode"}' in text and \
+        float(text.split('eagle3_step_latency_seconds_count{kind="decode"} ')[1].split()[0]) > 0
+    assert sum(g.stats.num_drafts for g in together) > 0
