@@ -61,16 +61,12 @@ def load(results: Path = RESULTS) -> list[Result]:
     return out
 
 
-def _cpu(d: dict) -> str:
-    host = d.get("host") if isinstance(d.get("host"), dict) else {}
-    machine = d.get("machine") if isinstance(d.get("machine"), dict) else {}
-    return host.get("cpu") or d.get("cpu") or machine.get("cpu") or (d["host"] if isinstance(d.get("host"), str) else "")
-
-
-def _threads(d: dict):
-    host = d.get("host") if isinstance(d.get("host"), dict) else {}
-    machine = d.get("machine") if isinstance(d.get("machine"), dict) else {}
-    return host.get("threads") or d.get("threads") or machine.get("threads")
+def _host(d: dict, key: str):
+    """A host field of a result: its "host" record, its top level, or its older "machine" record."""
+    for where in (d.get("host"), d, d.get("machine")):
+        if isinstance(where, dict) and where.get(key):
+            return where[key]
+    return d["host"] if key == "cpu" and isinstance(d.get("host"), str) else None
 
 
 def _f(x, digits: int = 1) -> str:
@@ -102,7 +98,7 @@ def speed_rows(results: list[Result]) -> list[dict]:
     rows = []
     for kind in sorted({r.kind for r in results if r.name == IN_PROCESS}):
         demo = by[(IN_PROCESS, kind)]
-        row = {"kind": kind, "cpu": _cpu(demo.data), "threads": _threads(demo.data), "in_process": in_process(demo.data),
+        row = {"kind": kind, "cpu": _host(demo.data, "cpu"), "threads": _host(demo.data, "threads"), "in_process": in_process(demo.data),
                "in_process_file": demo.path.name, "served": None, "served_file": None}
         if (SERVED, kind) in by:
             row["served"], row["served_file"] = served(by[(SERVED, kind)].data), by[(SERVED, kind)].path.name

@@ -55,10 +55,6 @@ class ThreadGovernor:
         self.current = self.threads
         self._interval = self.probe_every
 
-    @property
-    def active(self) -> bool:
-        return self.threads > 1
-
     def next_threads(self) -> int:
         """The thread count for the next decode step: the current one, or the full count as a probe."""
         if self.current < self.threads and self.clock() - self._last > self.idle_s:
@@ -118,13 +114,23 @@ class ThreadGovernor:
 GOVERNOR_ENV = "EAGLE3_THREAD_GOVERNOR"  # "off": the decode steps keep every thread
 
 
+def governor_enabled(environ) -> bool:
+    """$EAGLE3_THREAD_GOVERNOR: on (the default) or off; an Eagle3Error naming both otherwise."""
+    from .errors import Eagle3Error
+
+    value = environ.get(GOVERNOR_ENV, "on")
+    if value not in ("on", "off"):
+        raise Eagle3Error(f"${GOVERNOR_ENV} {value[:40]!r}: choose on (the default) or off")
+    return value == "on"
+
+
 def governor_for(bundle, environ) -> ThreadGovernor | None:
     """The governor of a warmed-up bundle served by one process on more than one thread; None otherwise (one
-    thread, tensor parallelism, no warm-up ratio, or $EAGLE3_THREAD_GOVERNOR=off)."""
+    thread, tensor parallelism, graphs that do not run on the host's threads, or $EAGLE3_THREAD_GOVERNOR=off)."""
     import torch
 
     ratio = bundle.thread_ratio
-    if environ.get(GOVERNOR_ENV, "on") == "off" or ratio is None or bundle.manifest.tp_degree > 1:
+    if not governor_enabled(environ) or ratio is None or bundle.manifest.tp_degree > 1:
         return None
     threads = torch.get_num_threads()
     return ThreadGovernor(threads, ratio) if threads > 1 else None

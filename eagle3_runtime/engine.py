@@ -219,6 +219,8 @@ class Engine:
         self.choosers: dict[int, Chooser] = {}
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
+        if governor is not None:
+            self.metrics.threads.set(governor.current)
         self.metrics.record_warmup(m, bundle.timings)
         if speculation == "auto" and self.speculative:
             seconds = bundle.seconds
@@ -308,8 +310,9 @@ class Engine:
             if gov is not None:
                 switches = gov.switches
                 gov.observe((kind, rows), threads, seconds)
-                self.metrics.threads.set(gov.current)
-                self.metrics.thread_switches.inc(gov.switches - switches)
+                if gov.switches != switches:
+                    self.metrics.threads.set(gov.current)
+                    self.metrics.thread_switches.inc(gov.switches - switches)
             self._free_finished()
         self.metrics.running.set(len(self.active))
 

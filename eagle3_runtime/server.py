@@ -53,7 +53,7 @@ from .protocol import (MAX_BODY_BYTES, MAX_CHARS_PER_TOKEN, MAX_STOP, APIError, 
                        CompletionRequest, parse_json, read_body, short_repr, text_content, validate)
 from .sampling import SamplingParams
 from .tokenizer import load_text
-from .contention import governor_for
+from .contention import governor_enabled, governor_for
 from .torch_thread import TorchThread
 from .tp import add_threads_arg, open_bundle, set_threads, shutdown, stop_workers
 from .trust import add_trust_args
@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch_thread.call(set_threads, args.threads)
         mode = speculation_mode(args, os.environ)
+        governor_enabled(os.environ)  # (a bad value refused before the load)
         sock = bind(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None  # (rank 0 serves)
         phase("load")
         bundle, ctx = torch_thread.call(open_bundle, args.bundle, args.expect_digest, args.verify_signature,

@@ -109,6 +109,21 @@ class _Bundle:
         self.manifest = type("M", (), {"tp_degree": tp})()
 
 
+def test_a_bad_governor_setting_is_one_line_naming_the_choices(tmp_path):
+    import subprocess
+    import sys
+
+    from eagle3_runtime.contention import governor_enabled
+    from eagle3_runtime.errors import Eagle3Error
+
+    assert governor_enabled({}) and not governor_enabled({GOVERNOR_ENV: "off"})
+    with pytest.raises(Eagle3Error, match="choose on"):
+        governor_enabled({GOVERNOR_ENV: "sometimes"})
+    r = subprocess.run([sys.executable, "-m", "eagle3_runtime.server", str(tmp_path), "--port", "8"], capture_output=True,
+                       text=True, timeout=120, env={**__import__("os").environ, GOVERNOR_ENV: "sometimes"})
+    assert r.returncode == 2 and "EAGLE3_THREAD_GOVERNOR" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_governor_for_needs_threads_a_ratio_one_rank_and_not_off(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert governor_for(_Bundle(1.6), {}).threads == 2

@@ -171,9 +171,10 @@ class GraphRunner:
 
     def _thread_ratio(self, inputs: dict, repeats: int = 3) -> float | None:
         """One thread's time over all threads' for the smallest batch bucket's decode pass on this host (the
-        thread governor's estimate, contention.py); None with one thread."""
+        thread governor's estimate, contention.py); None with one thread, under TP (rank 0's driver) and for
+        graphs that do not run on this process's threads."""
         threads = torch.get_num_threads()
-        if threads < 2:
+        if threads < 2 or self.manifest.tp_degree > 1 or not getattr(self, "host_threads", False):
             return None
         g = self.manifest.graph("target_decode", self.manifest.batch_buckets[0])
         times: dict[int, list[float]] = {threads: [], 1: []}

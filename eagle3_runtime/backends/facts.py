@@ -16,6 +16,7 @@ class BackendFacts:
     index_dtype: ClassVar[str] = "int64"  # the dtype of token / position / index inputs
     options: ClassVar[tuple[str, ...]] = ()  # the recipe's backend_options it takes
     sdk: ClassVar[tuple[str, ...]] = ()  # pip packages it needs besides torch
+    host_threads: ClassVar[bool] = True  # its graphs run on this process's torch threads (the thread governor)
 
     @classmethod
     def missing_sdk(cls) -> list[str]:
@@ -44,6 +45,7 @@ class NeuronFacts(BackendFacts):
     name = "neuron"
     graph_format = "nxd-model"
     index_dtype = "int32"  # NxDI's input_generator
+    host_threads = False  # (NeuronCores run its graphs)
     options = ("compiler_args", "role_compiler_args", "fold_env_flags", "job_memory_gb", "generation")
     sdk = tuple(pip for _, pip in neuron_sdk.NEURON_SDK.values())
 
