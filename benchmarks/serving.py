@@ -54,6 +54,8 @@ class Server:
         self.stdout_path = log_dir / f"server-{tag}.stdout.log"
         self.stderr_path = log_dir / f"server-{tag}.stderr.log"
         self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None  # (seconds to a healthy /health)
+        self.spin: dict | None = None  # (spin_after_request's, where measured)
 
     def start(self, timeout: float) -> None:
         print(f"starting: {shlex.join(self.cmd)}", file=sys.stderr, flush=True)
@@ -80,7 +82,8 @@ class Server:
                 if time.monotonic() - t0 > timeout:
                     raise ServerError(f"server not healthy after {timeout:.0f}s (last /health: {last})")
                 time.sleep(0.5)
-        print(f"server healthy at {self.base_url} after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+        self.start_s = round(time.monotonic() - t0, 1)
+        print(f"server healthy at {self.base_url} after {self.start_s}s", file=sys.stderr, flush=True)
 
     def stop(self, grace: float = 15.0) -> None:
         p, self.proc = self.proc, None
@@ -136,6 +139,39 @@ def chat_stream(client: httpx.Client, url: str, model: str, text: str, max_token
             "tpot": (e2e - (ttft or e2e)) / (n - 1) if n > 1 else None}
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds used so far by the live processes of a process group (Linux /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # (after the command name: state, ppid, pgrp, ...)
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+SPINNING = 0.5  # cores: a spinning thread takes a whole one; a server's housekeeping takes a tick (0.1) now and then
+
+
+def spin_after_request(c: httpx.Client, server: Server, model: str, window: float = 6.0, step: float = 0.1,
+                       idle: float = SPINNING) -> dict:
+    """After one short request ends, the server's CPU use (cores) every `step` s for `window` s: spin_s, the
+    time until it stays below `idle` cores (an idle server's threads spinning on)."""
+    chat_stream(c, server.base_url, model, "Say hello.", 32)
+    t0 = time.monotonic()
+    last, samples = group_cpu_seconds(server.proc.pid), []
+    while time.monotonic() - t0 < window:
+        time.sleep(step)
+        now = group_cpu_seconds(server.proc.pid)
+        samples.append((time.monotonic() - t0, (now - last) / step))
+        last = now
+    busy = [t for t, cores in samples if cores > idle]
+    return {"spin_s": round(busy[-1], 2) if busy else 0.0, "cores_per_step": [round(x, 2) for _, x in samples],
+            "step_s": step}
+
+
 def counters(client: httpx.Client, base_url: str) -> tuple[dict | None, str]:
     """The spec-decode counters of /metrics (eagle3 or vLLM names) and the whole text."""
     text = client.get(base_url + "/metrics").text
@@ -154,7 +190,8 @@ def finish_pass(c: httpx.Client, server: Server, reqs: list[dict], before: dict)
     after, text = counters(c, server.base_url)
     choice = [line for line in text.splitlines()
               if line.startswith("eagle3_speculation_shape{") and line.endswith(" 1.0")]
-    return {"requests": reqs, "spec": spec_delta(before, after), "speculation": choice}
+    return {"requests": reqs, "spec": spec_delta(before, after), "speculation": choice, "start_s": server.start_s,
+            "spin": server.spin}
 
 
 # ------------------------------------------------------------------------------------------------ seeded-repro

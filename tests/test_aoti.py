@@ -462,6 +462,7 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     monkeypatch.setattr(gemm.inductor, "blocking", lambda rows, n, k, threads, dtype=None: (4, 24))
     assert gemm.blocked_variants([(64, 32)], 8) == ["blocked:8x8"] and gemm.blocked_variants([(64, 32)], 9) == []
     measured = []
+    monkeypatch.setattr(gemm, "compile_candidates", lambda *a: {})  # (their timing is stood in for too)
     monkeypatch.setattr(gemm, "time_formats", lambda shapes, r, forms, **k: measured.append(forms) or
                         {f: [2.0 if f == "blocked:8x8" else 3.0] for f in forms})
     rec = gemm.choose([(64, 32)], [8], ["blocked"], None)
@@ -486,6 +487,42 @@ def test_gemm_choice_is_measured_once_per_host_and_keeps_the_earlier_form_within
     monkeypatch.undo()  # Inductor's template failing to compile on a host: that form is left out, the rest measured
     monkeypatch.setattr(gemm, "blocked_pass", lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler")))
     assert set(gemm.time_formats([(64, 32)], 2, ["plain", "blocked"], repeats=1)) == {"plain"}
+
+
+def test_blocked_gemm_candidates_compile_on_worker_processes(tmp_path, monkeypatch):
+    """The blocked candidates of a GEMM measurement compile on worker processes, two at a time here (their gcc is
+    most of a build's measurement): each package times as the one compiled in this process does, a candidate
+    Inductor cannot compile comes back as why (left out of the timing with a warning naming it), a worker that
+    dies answers for the jobs it held, and one core compiles nothing ahead (time_formats compiles in process)."""
+    from eagle3_build.backends.cpu import gemm
+    from eagle3_build.backends.cpu import inductor_internals as inductor
+
+    if not inductor.blocked_available():
+        pytest.skip("Inductor has no vectorised float32 micro-kernel here")
+    monkeypatch.setattr(gemm, "host_cores", lambda: 2)
+    shapes = [(96, 64), (96, 64), (48, 64)]
+    missing = next(n for n in (3, 5, 7) if n not in {b[0] for b in inductor.register_blockings()})
+    jobs = [(1, "blocked"), (4, "blocked"), (4, f"blocked:{missing}x8")]
+    notes = []
+    got = gemm.compile_candidates(shapes, jobs, tmp_path, notes.append)
+    assert set(got) == set(jobs) and all(isinstance(got[j], Path) and got[j].is_file() for j in jobs[:2])
+    assert isinstance(got[jobs[2]], str) and "register blocking" in got[jobs[2]]
+    assert notes[0] == "GEMM formats: compiling 3 blocked candidates on 2 processes" and "3/3" in notes[-1]
+    weights = [torch.randn(o, i) for o, i in shapes]
+    xs = {64: torch.randn(4, 64)}
+    run = gemm.blocked_pass(weights, 4, xs, "blocked", got[(4, "blocked")])
+    for y, w in zip(run(), weights):
+        torch.testing.assert_close(y, xs[64] @ w.T, rtol=1e-5, atol=1e-4)
+    compiled = {c: got[(4, c)] for c in ("blocked", f"blocked:{missing}x8")}
+    with pytest.warns(RuntimeWarning, match=f"blocked:{missing}x8 left out"):
+        ms = gemm.time_formats(shapes, 4, ["plain", "blocked", f"blocked:{missing}x8"], repeats=3, weights=weights,
+                               compiled=compiled)
+    assert set(ms) == {"plain", "blocked"} and ms["blocked"][0] > 0
+    monkeypatch.setattr(gemm.sys, "executable", "/bin/false")  # (a worker that exits at once)
+    dead = gemm.compile_candidates(shapes, jobs[:2], tmp_path)
+    assert set(dead) == set(jobs[:2]) and all("worker exited" in v for v in dead.values())
+    monkeypatch.setattr(gemm, "host_cores", lambda: 1)
+    assert gemm.compile_candidates(shapes, jobs, tmp_path) == {}
 
 
 def test_a_round_of_gemm_timing_ends_when_its_ranking_is_clear(monkeypatch):

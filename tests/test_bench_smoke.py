@@ -2,6 +2,7 @@
 kind and result naming, usage errors in one line, and shapes (export backend, a chain and a tree shape, a few
 tokens: both shapes with their acceptance and round costs, the PNG, --from-result), graph, engine, vs-vllm (ours
 only, interleaved), gemm and prefill measuring for real."""
+import collections
 import json
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def test_host_kind_and_result_names(monkeypatch, tmp_path):
 def test_usage_errors_are_one_line():
     for args, words in ((["gemm", "--rows", "1,x"], "--rows"), (["gemm-blocking", "--variants", "8y8"], "8y8"),
                         (["shapes", "--phases", "decode,nope"], "nope"), (["engine", "a"], "two bundles"),
-                        (["serve"], "--bundle"), (["demo", "/nonexistent-bundle"], "no manifest.json; not a bundle")):
+                        (["serve"], "--bundle"), (["demo", "/nonexistent-bundle"], "no manifest.json; not a bundle"),
+                        (["vs-vllm", "--bundle", "b", "--no-vllm", "--concurrency", "1,4"], "--interleave"),
+                        (["vs-vllm", "--bundle", "b", "--no-vllm", "--concurrency", "0"], "--concurrency")):
         r = _bench(*args)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
@@ -153,13 +156,15 @@ def test_engine_smoke(tiny_bundles, tmp_path):
 @pytest.mark.slow  # (a benchmark, not a product component)
 def test_vs_vllm_interleaved_smoke(tiny_bundles, tmp_path):
     """vs-vllm --interleave, ours only: both servers up at once and the in-process engines, each prompt through
-    every contender in turn; every contender's outputs equal plain greedy decoding's."""
+    every contender in turn; every contender's outputs equal plain greedy decoding's; each server's start and its
+    CPU use after a request measured; then the prompts as a closed loop of 2 clients, the same outputs."""
     _, bundle = tiny_bundles.get("speculators", 3)
     prompts = tmp_path / "p.txt"
     prompts.write_text("The quick brown fox\nOnce upon a time\nName a color.\n")
     res = _run_bench("vs-vllm", "--bundle", str(bundle), "--no-vllm", "--prompts", str(prompts), "--num-prompts",
                      "3", "--max-tokens", "12", "--threads", "1", "--eagle3", "chain3,none", "--interleave",
-                     "--gap", "0", "--neighbour", "0.01/0.02", "--save-result", str(tmp_path / "r.json"))
+                     "--gap", "0", "--neighbour", "0.01/0.02", "--concurrency", "1,2", "--save-result",
+                     str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text()) == res and res["interleaved"]
     _recorded(res)
     assert set(res["contenders"]) == {"eagle3 chain3", "eagle3 none", "eagle3 chain3 +neighbour",
@@ -168,6 +173,11 @@ def test_vs_vllm_interleaved_smoke(tiny_bundles, tmp_path):
     assert all(c["same_text_as_plain"] == 3 and c["tokens"] > 0 for c in res["contenders"].values())
     assert res["contenders"]["eagle3 chain3"]["acceptance_length"] >= 1.0
     assert res["served_vs_in_process_chain3"] > 0 and res["served_vs_in_process_none"] > 0
+    assert all(c["start_s"] > 0 and c["spin_after_request_s"] >= 0 for c in res["contenders"].values())
+    two = res["at_once"]["2"]
+    assert set(two["servers"]) == {"eagle3 chain3", "eagle3 none"} and res["concurrent_prompts"] == 3
+    assert all(r["same_text_as_one_at_a_time"] == 3 and r["tok_s_total"] > 0 and r["tpot_ms_median"] > 0
+               for r in two["servers"].values()) and two["vllm_best"] is None
 
 
 def test_gemm_smoke(tmp_path):
@@ -199,3 +209,16 @@ def test_prefill_smoke(tiny_bundles, tmp_path):
     assert res["plans"][1]["bucket"] == 64 and res["plans"][1]["continued_by"] == "chain K 3"
     assert res["plan"]["all"]["median_ms"] > 0 and res["padded"]["continued"]["mean_ms"] > 0
     assert res["continued_padded_over_plan"] > 0
+
+
+def test_mtbench_mix_takes_the_categories_in_turn():
+    """`--prompts mtbench-mix`: MT-Bench's first turns, the i-th of every category before any (i+1)-th, so any
+    first 8n of them hold n of each of the 8 categories (the issue tables' "5 per category" is the first 40)."""
+    from benchmarks.prompts import texts
+    from training.eval_sets import mtbench_questions
+
+    category = {q["turns"][0]: q["category"] for q in mtbench_questions()}
+    mix = texts("mtbench-mix")
+    assert sorted(mix) == sorted(texts("mtbench")) and len(mix) == 80
+    for n in (1, 2, 5, 10):
+        assert collections.Counter(category[t] for t in mix[:8 * n]) == {c: n for c in set(category.values())}

@@ -78,3 +78,20 @@ def test_results_page_and_readme_table_are_generated_from_the_json():
     assert results_page.CHART.exists()
     rows = results_page.speed_rows(results_page.load())
     assert rows and all(r["in_process"]["spec"] > 0 for r in rows)
+
+
+def test_the_several_clients_table_takes_each_sides_best_server():
+    """The served table of several clients at once: per client count the best eagle3 and the best vLLM server by
+    total tok/s, their TPOT, the ratio; no table where no served result measured clients at once."""
+    from benchmarks import results_page
+
+    servers = {"eagle3 auto": {"tok_s_total": 250.0, "tpot_ms_median": 14.0},
+               "eagle3 none": {"tok_s_total": 240.0, "tpot_ms_median": 15.0},
+               "vllm none": {"tok_s_total": 100.0, "tpot_ms_median": 35.0}}
+    row = {"kind": "k", "cpu": "CPU X", "threads": 2, "served_file": "r.json",
+           "served": {"at_once": {"8": {"servers": servers, "eagle3_best": "eagle3 auto", "vllm_best": "vllm none",
+                                        "eagle3_best_vs_vllm_best": 2.5}}}}
+    table = results_page.at_once_table([row], "p/")
+    assert "| CPU X (2) | 8 | **250.0** (eagle3 auto, 14.0 ms) | 100.0 (vllm none, 35.0 ms) | 2.50x ([json](p/r.json)) |" \
+        in table
+    assert results_page.at_once_table([{**row, "served": {"at_once": {}}}], "p/") == ""

@@ -8,10 +8,15 @@ compile cache and kept in the manifest's build record. docs/architecture.md (glo
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -25,8 +30,10 @@ from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BLOCKED_DTYPES, FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
 from ...files import atomic_write
+from ...host import available_memory_gb, host_cores
 from ...models.linear import SMALL_ROWS, linear
 from . import inductor_internals as inductor
+from .gemm_worker import MARK
 
 PLAIN = "plain"
 CANDIDATES = (PLAIN, *FORMATS)
@@ -36,6 +43,7 @@ MARGIN = 0.03
 ROUNDS = 2
 CLEAR = 0.10  # a round stops after MIN_PASSES once the fastest's slowest pass beats the others' fastest by this
 MIN_PASSES = 3
+WORKER_MEMORY_GB = 3  # a compile worker: torch and Inductor, the copies of up to MAX_BYTES of weights, gcc
 REPEATS = 25  # per decode-sized row count (fewer let close medians swap between runs: docs/linear-layout.md); 3 per
 # prefill-sized one (each pass is 10-100x longer)
 
@@ -79,10 +87,12 @@ def blocked_variants(shapes: list[tuple[int, int]], rows: int, fmt: str = BLOCKE
 
 def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str], repeats: int = REPEATS,
                weights: list[torch.Tensor] | None = None, rounds: int = 1,
-               note: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+               note: Callable[[str], None] | None = None, compiled: dict[str, Path | str] | None = None
+               ) -> dict[str, list[float]]:
     """Per candidate, the median ms of one pass of x @ W.T over every shape, x of `rows` rows, in each of `rounds`
     rounds of `repeats` passes (candidates interleaved; the first pass warms up and is not kept); a blocked candidate
-    Inductor fails to compile here is left out, with a warning naming it (the record lists the candidates timed)."""
+    Inductor fails to compile here is left out, with a warning naming it (the record lists the candidates timed).
+    compiled: blocked candidates already compiled (compile_candidates: a package path, or why it failed)."""
     torch.manual_seed(0)
     weights = weights if weights is not None else [torch.rand(o, i) - 0.5 for o, i in shapes]
     xs = {w.shape[1]: torch.rand(rows, w.shape[1]) for w in weights}
@@ -101,8 +111,7 @@ def time_formats(shapes: list[tuple[int, int]], rows: int, candidates: list[str]
                 calls[candidate] = over_weights([(lambda x, w=w: F.linear(x, w)) for w in weights])
             elif format_parts(candidate)[0] in BLOCKED_FORMATS:
                 try:
-                    fmt, blocking = format_parts(candidate)
-                    calls[candidate] = blocked_pass(weights, rows, xs, blocking, fmt)
+                    calls[candidate] = blocked_pass(weights, rows, xs, candidate, (compiled or {}).get(candidate))
                 except Exception as e:  # (Inductor could not generate it here: not a candidate)
                     warnings.warn(f"GEMM format {candidate} left out of the measurement: Inductor could not compile "
                                   f"it on torch {torch.__version__}: {type(e).__name__}: {str(e)[:200]}", RuntimeWarning)
@@ -138,12 +147,10 @@ def ranking_clear(ms: dict[str, list[float]]) -> bool:
     return all(max(ms[best]) * (1 + CLEAR) < min(v) for f, v in ms.items() if f != best)
 
 
-def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor],
-                 blocking: tuple[int, int] | None = None, fmt: str = BLOCKED):
-    """One pass of x @ W.T over `weights` in a blocked format (register blocking: Inductor's, or `blocking`),
-    compiled now as the aoti backend compiles a graph (one AOTInductor package, the template per GEMM, in a private
-    directory removed after): a callable."""
-    threads = torch.get_num_threads()
+def _one_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor], candidate: str, threads: int):
+    """(module, args): one pass of x @ W.T over `weights` in a blocked candidate's format and register blocking
+    (Inductor's, or the candidate's), its packed copies among the args."""
+    fmt, blocking = format_parts(candidate)
     dtype = BLOCKED_DTYPES[fmt]
     block_ns = [inductor.block_n(rows, *w.shape, threads, blocking, dtype) for w in weights]
     if None in block_ns:
@@ -157,12 +164,100 @@ def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Ten
             return [packed_linear(by_k[c.shape[1]], c, None, None, fmt, n=n, threads=threads)
                     for c, n in zip(copies_, widths)]
 
-    args = (tuple(xs[k] for k in ks), copies)
+    return OnePass(), (tuple(xs[k] for k in ks), copies)
+
+
+def _compile(module: nn.Module, args: tuple, package: str) -> None:
+    """The pass compiled as the aoti backend compiles a graph (one AOTInductor package, the template per GEMM, in a
+    private Inductor cache removed after)."""
     with tempfile.TemporaryDirectory(prefix="eagle3-gemm-") as d, inductor.inductor_cache(d), \
             inductor.packed_input_lowering(), inductor.lean_wrapper(), inductor.config_patch({"compile_threads": 1}):
-        ep = torch.export.export(OnePass(), args, strict=False)
-        run = inductor.load_package(inductor.compile_and_package(ep, f"{d}/pass.pt2", {}))
+        inductor.compile_and_package(torch.export.export(module, args, strict=False), package, {})
+
+
+def compile_pass(shapes: list[tuple[int, int]], rows: int, candidate: str, threads: int, package: str) -> None:
+    """A blocked candidate's pass over `shapes` compiled into the package `package` (gemm_worker's task: the
+    package takes any weights of these shapes)."""
+    weights = [torch.empty(o, i) for o, i in shapes]
+    _compile(*_one_pass(weights, rows, {i: torch.empty(rows, i) for i in {i for _, i in shapes}}, candidate, threads),
+             package)
+
+
+def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Tensor], candidate: str,
+                 compiled: Path | str | None = None):
+    """One pass of x @ W.T over `weights` in a blocked candidate: a callable. compiled: the package
+    compile_pass made for it (or why it failed); else compiled here."""
+    module, args = _one_pass(weights, rows, xs, candidate, torch.get_num_threads())
+    if isinstance(compiled, str):
+        raise RuntimeError(compiled)
+    if compiled is None:
+        with tempfile.TemporaryDirectory(prefix="eagle3-gemm-") as d:
+            _compile(module, args, f"{d}/pass.pt2")
+            run = inductor.load_package(f"{d}/pass.pt2")
+    else:
+        run = inductor.load_package(str(compiled))
     return lambda: run(*args)
+
+
+def compile_candidates(shapes: list[tuple[int, int]], jobs: list[tuple[int, str]], out_dir: Path,
+                       note: Callable[[str], None] | None = None) -> dict[tuple[int, str], Path | str]:
+    """Each (rows, blocked candidate) of `jobs` compiled into a package under out_dir, on as many worker processes
+    (gemm_worker) as the cores and memory give, at most one per job (gcc is most of a candidate's cost, one core
+    each): (rows, candidate) -> the package's path, or why Inductor could not compile it. One job, or one core:
+    nothing (time_formats compiles each in this process)."""
+    procs = min(len(jobs), host_cores(), max(1, int(available_memory_gb() // WORKER_MEMORY_GB)))
+    if procs < 2:
+        return {}
+    simdlen, march = inductor.isa_config()
+    tasks = [json.dumps({"id": n, "shapes": shapes, "rows": r, "candidate": c, "threads": torch.get_num_threads(),
+                         "simdlen": simdlen, "march": march, "out": str(out_dir / f"pass-{n}.pt2")})
+             for n, (r, c) in enumerate(jobs)]
+    pending, out, lock = list(reversed(tasks)), {}, threading.Lock()
+    if note is not None:
+        note(f"GEMM formats: compiling {len(jobs)} blocked candidates on {procs} processes")
+
+    def lane(k: int) -> None:
+        with open(out_dir / f"worker-{k}.log", "w") as log:
+            p = subprocess.Popen([sys.executable, "-m", f"{__package__}.gemm_worker", str(os.getpid())],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+            try:
+                serve(p, log.name)
+            finally:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
+                p.wait()
+
+    def serve(p: subprocess.Popen, log: str) -> None:
+        while True:
+            with lock:
+                task = pending.pop() if pending else None
+            if task is None:
+                break
+            n = json.loads(task)["id"]
+            try:
+                p.stdin.write(task + "\n")
+                p.stdin.flush()
+                answer = next((ln for ln in p.stdout if ln.startswith(f"{MARK} {n} ")), None)
+            except BrokenPipeError:
+                answer = None
+            got = json.loads(answer.split(" ", 2)[2]) if answer else \
+                {"error": f"the compile worker exited with {p.wait()} (log {log})"}
+            with lock:
+                out[jobs[n]] = Path(got["ok"]) if "ok" in got else got["error"]
+                if note is not None:
+                    note(f"GEMM formats: {len(out)}/{len(jobs)} blocked candidates compiled ({jobs[n][1]} "
+                         f"at {jobs[n][0]} row(s))")
+            if answer is None:
+                return
+
+    threads = [threading.Thread(target=lane, args=(k,), daemon=True) for k in range(procs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for job in jobs:  # (a job a dead worker never took)
+        out.setdefault(job, "the compile worker exited before compiling it")
+    return out
 
 
 def pick_fastest(ms: dict[str, list[float]]) -> str:
@@ -211,12 +306,18 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
             known = {}
     missing = [r for r in rows if str(r) not in known]
     weights = [torch.rand(o, i) - 0.5 for o, i in shapes] if missing and formats else []
+    per_rows = {}
     for r in missing:
         candidates = formats_for(r, formats)
-        candidates += [v for f in BLOCKED_FORMATS if f in candidates for v in blocked_variants(shapes, r, f)]
-        ms = time_formats(shapes, r, candidates, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights,
-                          rounds=ROUNDS, note=note) if len(candidates) > 1 else {PLAIN: [0.0]}
-        known[str(r)] = {"choice": pick_fastest(ms), "ms": ms}
+        per_rows[r] = candidates + [v for f in BLOCKED_FORMATS if f in candidates for v in blocked_variants(shapes, r, f)]
+    with tempfile.TemporaryDirectory(prefix="eagle3-gemm-") as d:
+        compiled = compile_candidates(shapes, [(r, c) for r, cs in per_rows.items() if len(cs) > 1 for c in cs
+                                               if format_parts(c)[0] in BLOCKED_FORMATS], Path(d), note)
+        for r, candidates in per_rows.items():  # (timed after every compile: one thing at a time on the cores)
+            ms = time_formats(shapes, r, candidates, repeats=REPEATS if r <= SMALL_ROWS else 3, weights=weights,
+                              rounds=ROUNDS, note=note, compiled={c: p for (r_, c), p in compiled.items() if r_ == r}
+                              ) if len(candidates) > 1 else {PLAIN: [0.0]}
+            known[str(r)] = {"choice": pick_fastest(ms), "ms": ms}
     if path is not None and missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({**out, "rows": known}, indent=1))
