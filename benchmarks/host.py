@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_runtime.host import busy_cores
+
 
 def threads(n: int | None = None) -> int:
     """Set torch's CPU threads: `n`, else $EAGLE3_NUM_THREADS, else the cores this process may use (as eagle3-run)."""
@@ -31,19 +33,6 @@ def host_kind() -> str:
     words = re.sub(r"\((R|TM)\)|CPU|Processor|@.*", " ", cpu_model(), flags=re.I).lower().split()
     vendor = [w for w in words if re.fullmatch(r"[a-z]+", w)][:2] or ["cpu"]
     return "-".join(vendor + [re.sub(r"[^a-z0-9]", "", isa().lower()) or "default"])
-
-
-def busy_cores(seconds: float = 0.3) -> float:
-    """Cores' worth of CPU time other processes used over `seconds` (/proc/stat; None where unreadable)."""
-    def sample():
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
-    try:
-        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return round((1 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1), 2)
 
 
 def describe(n_threads: int | None) -> dict:

@@ -241,9 +241,9 @@ def in_process_summary(passes: list[dict]) -> dict:
 
 
 def run_sequential(args, makers: dict, texts: list[str], modes: list[str], log_dir: Path
-                   ) -> tuple[dict[str, list[dict]], list[dict]]:
+                   ) -> tuple[dict[str, list[dict]], list[dict], dict]:
     """Each server alone, one after another (and the in-process pass in its turn), --repeats times in a rotated
-    order -> the passes per server, the in-process passes."""
+    order -> the passes per server, the in-process passes, no closed loops (those need --interleave)."""
     passes: dict[str, list[dict]] = {n: [] for n in makers}
     ip_passes: list[dict] = []
     names = list(makers) + ([] if args.no_in_process else [IN_PROCESS])
@@ -269,8 +269,9 @@ def run_sequential(args, makers: dict, texts: list[str], modes: list[str], log_d
 
 
 def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_dir: Path
-                    ) -> tuple[dict[str, list[dict]], list[dict]]:
-    """Every server up at once, --repeats interleaved passes (`interleaved`)."""
+                    ) -> tuple[dict[str, list[dict]], list[dict], dict]:
+    """Every server up at once: the quiet gap (`quiet_gap`), --repeats interleaved passes (`interleaved`), then the
+    closed loops of --concurrency (`concurrent_passes`)."""
     passes: dict[str, list[dict]] = {n + s: [] for n in makers for s in (("", NEIGHBOURED) if args.neighbour else ("",))}
     ip_passes: list[dict] = []
     servers = {name: make(log_dir) for name, make in makers.items()}

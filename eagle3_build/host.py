@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from eagle3_runtime.host import available_cores as host_cores  # noqa: F401 (the runtime's one definition)
+from eagle3_runtime.host import available_cores as host_cores  # noqa: F401 (the runtime's definitions)
+from eagle3_runtime.host import busy_cores  # noqa: F401
 
 
 def available_memory_bytes() -> int | None:

@@ -493,13 +493,15 @@ def test_blocked_gemm_candidates_compile_on_worker_processes(tmp_path, monkeypat
     """The blocked candidates of a GEMM measurement compile on worker processes, two at a time here (their gcc is
     most of a build's measurement): each package times as the one compiled in this process does, a candidate
     Inductor cannot compile comes back as why (left out of the timing with a warning naming it), a worker that
-    dies answers for the jobs it held, and one core compiles nothing ahead (time_formats compiles in process)."""
+    dies answers for the jobs it held, and one idle core compiles nothing ahead (time_formats compiles in
+    process)."""
     from eagle3_build.backends.cpu import gemm
     from eagle3_build.backends.cpu import inductor_internals as inductor
 
     if not inductor.blocked_available():
         pytest.skip("Inductor has no vectorised float32 micro-kernel here")
     monkeypatch.setattr(gemm, "host_cores", lambda: 2)
+    monkeypatch.setattr(gemm, "busy_cores", lambda seconds: 0.1)
     shapes = [(96, 64), (96, 64), (48, 64)]
     missing = next(n for n in (3, 5, 7) if n not in {b[0] for b in inductor.register_blockings()})
     jobs = [(1, "blocked"), (4, "blocked"), (4, f"blocked:{missing}x8")]
@@ -522,6 +524,9 @@ def test_blocked_gemm_candidates_compile_on_worker_processes(tmp_path, monkeypat
     dead = gemm.compile_candidates(shapes, jobs[:2], tmp_path)
     assert set(dead) == set(jobs[:2]) and all("worker exited" in v for v in dead.values())
     monkeypatch.setattr(gemm, "host_cores", lambda: 1)
+    assert gemm.compile_candidates(shapes, jobs, tmp_path) == {}
+    monkeypatch.setattr(gemm, "host_cores", lambda: 2)  # (two cores, one of them busy elsewhere: the same)
+    monkeypatch.setattr(gemm, "busy_cores", lambda seconds: 0.9)
     assert gemm.compile_candidates(shapes, jobs, tmp_path) == {}
 
 

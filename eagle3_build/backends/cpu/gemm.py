@@ -30,10 +30,9 @@ from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BLOCKED_DTYPES, FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
 from ...files import atomic_write
-from ...host import available_memory_gb, host_cores
+from ...host import available_memory_gb, busy_cores, host_cores
 from ...models.linear import SMALL_ROWS, linear
 from . import inductor_internals as inductor
-from .gemm_worker import MARK
 
 PLAIN = "plain"
 CANDIDATES = (PLAIN, *FORMATS)
@@ -43,6 +42,7 @@ MARGIN = 0.03
 ROUNDS = 2
 CLEAR = 0.10  # a round stops after MIN_PASSES once the fastest's slowest pass beats the others' fastest by this
 MIN_PASSES = 3
+MARK = "eagle3-gemm"  # (gemm_worker's answer lines start with it)
 WORKER_MEMORY_GB = 3  # a compile worker: torch and Inductor, the copies of up to MAX_BYTES of weights, gcc
 REPEATS = 25  # per decode-sized row count (fewer let close medians swap between runs: docs/linear-layout.md); 3 per
 # prefill-sized one (each pass is 10-100x longer)
@@ -202,10 +202,12 @@ def blocked_pass(weights: list[torch.Tensor], rows: int, xs: dict[int, torch.Ten
 def compile_candidates(shapes: list[tuple[int, int]], jobs: list[tuple[int, str]], out_dir: Path,
                        note: Callable[[str], None] | None = None) -> dict[tuple[int, str], Path | str]:
     """Each (rows, blocked candidate) of `jobs` compiled into a package under out_dir, on as many worker processes
-    (gemm_worker) as the cores and memory give, at most one per job (gcc is most of a candidate's cost, one core
-    each): (rows, candidate) -> the package's path, or why Inductor could not compile it. One job, or one core:
-    nothing (time_formats compiles each in this process)."""
-    procs = min(len(jobs), host_cores(), max(1, int(available_memory_gb() // WORKER_MEMORY_GB)))
+    (gemm_worker) as the idle cores and the memory give, at most one per job (gcc is most of a candidate's cost, one
+    core each): (rows, candidate) -> the package's path, or why Inductor could not compile it. One job, or one idle
+    core (a worker's start-up, ~4 s of importing torch, would not pay): nothing (time_formats compiles each in this
+    process)."""
+    idle = host_cores() - (busy_cores(0.2) or 0.0)
+    procs = min(len(jobs), int(idle + 0.5), max(1, int(available_memory_gb() // WORKER_MEMORY_GB)))
     if procs < 2:
         return {}
     simdlen, march = inductor.isa_config()

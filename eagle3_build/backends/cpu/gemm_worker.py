@@ -7,8 +7,6 @@ import json
 import sys
 import traceback
 
-MARK = "eagle3-gemm"
-
 
 def main(parent: int) -> None:
     from ..worker import die_with_parent
@@ -31,7 +29,7 @@ def main(parent: int) -> None:
         except Exception as e:
             traceback.print_exc()
             answer = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-        print(f"{MARK} {task['id']} {json.dumps(answer)}", flush=True)
+        print(f"{gemm.MARK} {task['id']} {json.dumps(answer)}", flush=True)
 
 
 if __name__ == "__main__":
