@@ -206,7 +206,7 @@ def compile_candidates(shapes: list[tuple[int, int]], jobs: list[tuple[int, str]
     core each): (rows, candidate) -> the package's path, or why Inductor could not compile it. One job, or one idle
     core (a worker's start-up, ~4 s of importing torch, would not pay): nothing (time_formats compiles each in this
     process)."""
-    idle = host_cores() - (busy_cores(0.2) or 0.0)
+    idle = min(host_cores(), (os.cpu_count() or 1) - (busy_cores(0.2) or 0.0))  # (busy: over every CPU)
     procs = min(len(jobs), int(idle + 0.5), max(1, int(available_memory_gb() // WORKER_MEMORY_GB)))
     if procs < 2:
         return {}
