@@ -215,7 +215,7 @@ class Engine:
                 self.chunk_shapes[b] = min(shapes, key=lambda s: (per_node[s.describe()], -s.num_nodes))
         self._graphs: dict[tuple, tuple] = {}  # (role, bucket, id(shape)) -> (graph, its metrics label): _run
         # --speculation auto: per batch bucket, plain decoding or a shape of its menu, whichever is expected
-        # to yield the most tokens per second here (adaptive.py: graph costs timed at warm-up x acceptance)
+        # to yield the most tokens per second here (adaptive.py: step costs, warm-up then live, x acceptance)
         self.choosers: dict[int, Chooser] = {}
         self.max_queue = max_queue
         self.metrics = metrics or Metrics(self.K)
@@ -524,16 +524,34 @@ class Engine:
         n = len(self.active)
         bsz = pick_bucket(self.batch_buckets, n)
         chooser = self.choosers.get(bsz)
-        shape = self.shapes[bsz] if chooser is None else self.menus[bsz].get(chooser.next_shape(), NO_SPECULATION)
+        if chooser is None:
+            shape = self.shapes[bsz]
+        else:  # (costs are compared within the context bucket the rows are in: a longer one costs more)
+            context = pick_context(self.context_buckets, max(s.pos for s in self.active) + 1) or 0
+            shape = self.menus[bsz].get(chooser.next_shape(context), NO_SPECULATION)
         spec = [shape.speculates and s.draft_top is not None and can_speculate(s.pos, shape.depth, self.max_len)
                 for s in self.active]
         if any(ok and s.gap for s, ok in zip(self.active, spec)):
             self._catch_up_gaps(bsz)
+        t0 = time.perf_counter()  # (a step's cost, for the chooser: without catching up on plain steps before it)
         if any(spec):
             self._spec_round(bsz, shape, spec)
-            return "speculative"
-        self._plain_round(bsz)
-        return "decode"
+            kind, name = "speculative", shape.describe()
+        else:
+            self._plain_round(bsz)
+            kind, name = "decode", NONE
+        if chooser is not None:
+            before = chooser.current
+            chooser.observe_time(name, time.perf_counter() - t0)
+            self._chose(bsz, chooser, before)
+        return kind
+
+    def _chose(self, bsz: int, chooser: Chooser, before: str) -> None:
+        """Log and count a chooser's switch, if its last observation made one."""
+        if chooser.current != before:
+            log.info("speculation at batch %d: %s", bsz, chooser.reason())
+            self.metrics.speculation_switches.labels(str(bsz)).inc()
+            self.metrics.record_choice(bsz, chooser)
 
     def _plain_round(self, bsz: int) -> None:
         tokens = torch.zeros(bsz, dtype=torch.int64)
@@ -654,10 +672,7 @@ class Engine:
                 if chooser is not None:
                     before = chooser.current
                     chooser.observe(name, a)
-                    if chooser.current != before:
-                        log.info("speculation at batch %d: %s", bsz, chooser.reason())
-                        self.metrics.speculation_switches.labels(str(bsz)).inc()
-                        self.metrics.record_choice(bsz, chooser)
+                    self._chose(bsz, chooser, before)
                 self.metrics.record_draft(a, N - 1, name)
                 paths[s.row, :a + 1], nxt[s.row, :a + 1], last[s.row] = torch.tensor(path), torch.tensor(new), a
                 self._emit(s, new)

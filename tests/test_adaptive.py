@@ -2,6 +2,7 @@
 the shape with the most tokens per second, holds it under noisy rounds, switches to plain decoding when the
 draft stops accepting (probing rarely), and back when it accepts again."""
 import random
+import time
 
 import pytest
 
@@ -18,14 +19,17 @@ def chooser(*cands, **kw) -> Chooser:
     return Chooser(list(cands), **kw)
 
 
-def rounds(c: Chooser, n: int, accept, rng: random.Random) -> list[str]:
-    """n engine steps; a speculative step accepts `accept(shape, rng)` drafts; returns the shapes run."""
+def rounds(c: Chooser, n: int, accept, rng: random.Random, cost=None) -> list[str]:
+    """n engine steps; a speculative step accepts `accept(shape, rng)` drafts; each step takes `cost(shape, rng)`
+    seconds (default: its warm-up prior, 5% noise); returns the shapes run."""
     ran = []
+    prior = {x.name: x.round_s for x in c.candidates}
     for _ in range(n):
         name = c.next_shape()
         ran.append(name)
         if name != NONE:
             c.observe(name, accept(name, rng))
+        c.observe_time(name, cost(name, rng) if cost else prior[name] * rng.uniform(0.95, 1.05))
     return ran
 
 
@@ -58,7 +62,9 @@ def test_holds_its_choice_under_noise():
     start = c.current
     ran = rounds(c, 3000, lambda name, rng: from_profile(1.0)(CHAIN3.name if name == near.name else name, rng),
                  random.Random(0))
-    assert c.switches == 0 and c.current == start and set(ran) == {start}
+    assert c.switches == 0 and c.current == start
+    probes = [n for n in ran if n != start]  # (plain decoding, then the other shape, every probe_every steps)
+    assert len(probes) <= 2 * c.min_timed + 3000 // c.probe_every and NONE in probes
 
 
 def test_switches_to_plain_when_acceptance_drifts_and_back_when_it_returns():
@@ -85,6 +91,61 @@ def test_a_degraded_draft_costs_at_most_the_probes():
     ran = rounds(c, 5000, from_profile(0.03), random.Random(2))
     later = ran[500:]
     assert c.current == NONE and sum(n != NONE for n in later) <= len(later) // 64 + 1
+
+
+def test_live_step_times_overrule_the_warm_up_prior():
+    """The warm-up's graph times say chain K 3 pays (2.15 tokens per 1.4 decode passes) but its steps really take
+    2.6 decode passes (host work per round, a smaller context than the timed one): after the plain probes it
+    decodes plainly within a few dozen steps, and probes the chain rarely after. The converse (the prior says
+    plain, the rounds are cheap in fact) starts speculating once its probes are timed."""
+    slow = {NONE: PLAIN.round_s, CHAIN3.name: 2.6 * PLAIN.round_s}
+    c = chooser(PLAIN, CHAIN3)
+    assert c.current == CHAIN3.name and "warm-up graph times" in c.reason()
+    ran = rounds(c, 2000, from_profile(1.0), random.Random(3), cost=lambda n, r: slow[n] * r.uniform(0.95, 1.05))
+    assert c.current == NONE and c.switches == 1 and "live step times" in c.reason()
+    assert ran.index(NONE) <= c.explore_after and NONE not in ran[:ran.index(NONE)]
+    switched = c.min_timed * c.explore_after + 1
+    assert CHAIN3.name in ran[switched:]  # (it keeps probing the chain)
+    assert ran[switched:].count(CHAIN3.name) <= (2000 - switched) // c.probe_every + c.min_timed
+    assert c.drift == pytest.approx(1.0, abs=0.3)  # (acceptance as profiled: the times decided)
+
+    cheap = {NONE: PLAIN.round_s, CHAIN3.name: 1.1 * PLAIN.round_s}
+    dear = Candidate(CHAIN3.name, round_s=3.0 * PLAIN.round_s, reach=CHAIN3.reach)
+    c = chooser(PLAIN, dear)
+    assert c.current == NONE
+    ran = rounds(c, 200, from_profile(1.0), random.Random(4), cost=lambda n, r: cheap[n] * r.uniform(0.95, 1.05))
+    assert c.current == CHAIN3.name and ran.index(CHAIN3.name) == c.explore_after - 1
+    assert ran[c.min_timed * c.explore_after + 1:].count(NONE) <= 200 // c.probe_every + c.min_timed
+
+
+def test_shapes_are_compared_within_one_context_bucket():
+    """Rows grow out of the 256-slot context into the 512-slot one, where every step costs more: the chain's times
+    from the shorter context must not be weighed against plain decoding's from the longer (it would flap back to
+    speculating); there the chain is priced at plain decoding's time times their ratio at 256."""
+    c = chooser(PLAIN, CHAIN3)
+    assert c.current == CHAIN3.name
+    for name, ms in ((CHAIN3.name, 48), (NONE, 19)) * c.min_timed:
+        c.next_shape(256)
+        c.observe_time(name, ms / 1e3)
+    assert c.current == NONE and c.switches == 1  # 2.15 tokens / 48 ms < 1 / 19 ms
+    for _ in range(5):
+        c.next_shape(512)
+        c.observe_time(NONE, 24 / 1e3)
+    assert c.context == 512 and c.seconds(CHAIN3.name) == pytest.approx(24 * 48 / 19 / 1e3)
+    assert c.current == NONE and c.switches == 1, c.reason()
+    # (in the new context the chain is probed soon, and its own times there decide from then on)
+    ran = [c.next_shape(512) for _ in range(c.explore_after)]
+    assert CHAIN3.name in ran and ran.count(NONE) == c.explore_after - 1
+
+
+def test_an_untimed_shape_is_priced_at_the_live_over_prior_ratio():
+    c = chooser(PLAIN, CHAIN3, TREE)
+    for _ in range(c.min_timed):
+        c.observe_time(CHAIN3.name, 2 * CHAIN3.round_s)
+    assert c.seconds(CHAIN3.name) == pytest.approx(2 * CHAIN3.round_s)
+    assert c.seconds(TREE.name) == pytest.approx(2 * TREE.round_s) and c.seconds(NONE) == pytest.approx(2 * PLAIN.round_s)
+    c.observe_time(NONE, float("nan"))  # (ignored)
+    assert not c.live(NONE)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -143,7 +204,10 @@ def test_engine_auto_serves_what_costs_and_acceptance_favour_and_stays_lossless(
         e = Engine(b, speculation="auto")
         assert e.choosers[1].current == served and e.speculation_report()[0].startswith(f"speculation at batch 1: {served}")
         gen = e.generate(ids, 24)
-        assert gen.token_ids == ref.token_ids and (gen.stats.num_drafts > 0) == (served != NONE)
+        assert gen.token_ids == ref.token_ids
+        # (decoding plainly: speculative rounds only as probes, the first min_timed of them every explore_after)
+        assert gen.stats.num_drafts > e.choosers[1].min_timed if served != NONE else \
+            0 < gen.stats.num_drafts <= e.choosers[1].min_timed
         assert f'eagle3_speculation_shape{{bucket="1",shape="{served}"}} 1.0' in generate_latest(e.metrics.registry).decode()
     none = Engine(b, speculation="none")
     assert none.speculation_report() == ["speculation: none (--speculation none)"]
@@ -236,3 +300,53 @@ def test_each_batch_bucket_chooses_from_its_own_costs(bundle):
     assert 'eagle3_step_latency_seconds_count{kind="decode"}' in text and \
         float(text.split('eagle3_step_latency_seconds_count{kind="decode"} ')[1].split()[0]) > 0
     assert sum(g.stats.num_drafts for g in together) > 0
+
+
+class _Slowed:
+    """A graph that takes `seconds` longer than it does (a host where that step costs more than warm-up said)."""
+
+    def __init__(self, graph, seconds: float):
+        self.graph, self.entry, self.seconds = graph, graph.entry, seconds
+
+    def __call__(self, *args):
+        time.sleep(self.seconds)
+        return self.graph(*args)
+
+
+def test_engine_auto_follows_what_steps_really_cost(tiny):
+    """A real tiny bundle whose injected warm-up costs favour speculation while its verify really takes 30 ms more
+    (and then the converse: costs favour plain decoding, the decode pass is the slow one): --speculation auto
+    probes the alternative, times the steps live and serves the faster one, saying why — the same tokens."""
+    from prometheus_client import generate_latest
+
+    from eagle3_runtime.bundle import Bundle
+    from eagle3_runtime.engine import Engine
+
+    b = Bundle(tiny.bundle().path)
+    b.warm_up()
+    m = b.manifest
+    shape = m.speculation[1].describe()
+    ids = list(range(5, 21))
+    ref = Engine(b, speculation="none").generate(ids, 48)
+    m.build["acceptance"] = {shape: {"reach": [0.9, 0.8, 0.7]}}
+    graphs, role = dict(b.backend.graphs), {g.name: g.role for g in m.graphs}
+    try:
+        for slow_role, ms, served in (("target_verify", {"target_decode": 40, "target_verify": 44}, NONE),
+                                      ("target_decode", {"target_decode": 40, "target_verify": 400}, shape)):
+            ms = {**ms, "draft_chain": 6, "draft_catchup": 5}
+            b.backend.costs = {g.name: ms[g.role] / 1e3 for g in m.graphs if g.role in ms}
+            b.backend.graphs = {n: _Slowed(g, 0.03) if role[n] == slow_role else g
+                                for n, g in graphs.items()}
+            e = Engine(b, speculation="auto")
+            c = e.choosers[1]
+            assert c.current != served
+            gen = e.generate(ids, 48)
+            assert gen.token_ids == ref.token_ids
+            assert c.current == served and c.switches >= 1, e.speculation_report()
+            assert "live step times" in e.speculation_report()[0]
+            text = generate_latest(e.metrics.registry).decode()
+            assert f'eagle3_speculation_shape{{bucket="1",shape="{served}"}} 1.0' in text
+            assert 'eagle3_speculation_switches_total{bucket="1"}' in text
+    finally:
+        b.backend.graphs = graphs
+        m.build.pop("acceptance", None)

@@ -135,7 +135,7 @@ def test_demo_recipe():
     (p,) = load_recipe(RECIPE).pairs
     assert p.dtype == "float32" and p.parallel.tp_degree == 1
     assert p.speculation.shapes[1].describe() == "chain K 3" and not p.speculation.menu.get(1)
-    assert p.serving.max_num_seqs == 1 and p.buckets.batch == [1] and p.buckets.prefill == [64, 128, 256, 512]
+    assert p.serving.max_num_seqs == 4 and p.buckets.batch == [1, 4] and p.buckets.prefill == [64, 128, 256, 512]
     assert p.backend == "aoti"  # native code: the demo answers faster than transformers eager
     assert Path(p.draft.path) == DRAFT_DIR
     # the menu recipe: the same pair with shapes chosen among on the host; the trees' tags name their paths:
@@ -145,6 +145,12 @@ def test_demo_recipe():
     assert [s.tag for s in m.speculation.menu[1]] == ["chain1", "chain2", "chain4", "static4x6-e5e1f6",
                                                       "static4x8-28c24c"]
     assert (m.target.path, m.draft.path, m.buckets.prefill) == (p.target.path, p.draft.path, p.buckets.prefill)
+    # the serving recipe: the demo with a bucket of 8 rows, nothing else changed
+    (v,) = load_recipe(RECIPE.with_name("smollm2-135m-eagle3-serve.yaml")).pairs
+    assert v.name == "smollm2-135m-eagle3-serve" and v.serving.max_num_seqs == 8 and v.buckets.batch == [1, 4, 8]
+    same = {"name", "serving", "buckets", "speculation"}  # (its shapes are per batch bucket)
+    assert v.model_dump(exclude=same) == p.model_dump(exclude=same) and v.speculation.shapes[8] == p.speculation.shapes[1]
+    assert v.buckets.model_dump(exclude={"batch"}) == p.buckets.model_dump(exclude={"batch"})
 
 
 def test_eagle3_run_chat_applies_the_template(tiny_bundles):
