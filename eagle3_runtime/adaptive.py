@@ -42,7 +42,7 @@ class Chooser:
     (`observe_time`). `half_life`: rounds for an acceptance observation's weight to halve; `margin`: how much
     faster (fraction) another shape must look before a switch; `probe_every`: steps between two probes of the
     alternative (plain decoding while speculating, the best speculative shape while not); `explore_after`: the
-    same while the alternative has run fewer than `min_timed` steps at the current KV context bucket; `window`: live
+    same while the alternative has run fewer than `min_timed` steps; `window`: live
     step times kept per shape and context bucket (their median is its cost there once it has `min_timed`: a longer
     context costs every shape more, so shapes are compared within one); `preferred`: the shape to start on when it looks within
     the margin of the best speculative one and faster than plain decoding (the bucket's own: start-up timing
@@ -52,7 +52,7 @@ class Chooser:
     half_life: float = 100.0
     margin: float = 0.05
     probe_every: int = 64
-    explore_after: int = 8
+    explore_after: int = 4
     window: int = 8
     min_timed: int = 3
     drift: float = 1.0
@@ -75,7 +75,7 @@ class Chooser:
         self._by_name = {c.name: c for c in self.candidates}
         self._alpha = 1.0 - 0.5 ** (1.0 / self.half_life)
         self._times: dict[tuple[str, int], collections.deque] = {}  # (shape, context) -> its last live step times
-        self._runs: collections.Counter = collections.Counter()  # (shape, context) -> steps run
+        self._runs: collections.Counter = collections.Counter()  # shape -> steps run
         self.context = 0  # the KV context bucket of the last step (0: whole cache / not given)
         self.current = self.best()
         p = self.preferred
@@ -129,24 +129,24 @@ class Chooser:
         shape; while decoding plainly the best speculative shape."""
         if self.current == NONE:
             return self.best(speculative_only=True)
-        if self._runs[(NONE, self.context)] < self.min_timed:
+        if self._runs[NONE] < self.min_timed:
             return NONE
         return max((c.name for c in self.candidates if c.name != self.current), key=self.rate)
 
     def next_shape(self, context: int | None = None) -> str:
         """The shape to run this step (at KV context bucket `context`, if given): the current one, or a probe of
         the alternative every `probe_every` steps (every `explore_after` while it has run fewer than `min_timed`
-        steps at this context)."""
+        steps)."""
         if context is not None:
             self.context = context
         name = self.current
         if len(self.candidates) > 1:
             self._since_probe += 1
             alt = self._alternative()
-            few = self._runs[(alt, self.context)] < self.min_timed
+            few = self._runs[alt] < self.min_timed
             if self._since_probe >= (self.explore_after if few else self.probe_every):
                 self._since_probe, name = 0, alt
-        self._runs[(name, self.context)] += 1
+        self._runs[name] += 1
         return name
 
     def observe(self, name: str, accepted: int) -> None:

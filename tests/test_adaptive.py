@@ -133,9 +133,9 @@ def test_shapes_are_compared_within_one_context_bucket():
         c.observe_time(NONE, 24 / 1e3)
     assert c.context == 512 and c.seconds(CHAIN3.name) == pytest.approx(24 * 48 / 19 / 1e3)
     assert c.current == NONE and c.switches == 1, c.reason()
-    # (in the new context the chain is probed soon, and its own times there decide from then on)
-    ran = [c.next_shape(512) for _ in range(c.explore_after)]
-    assert CHAIN3.name in ran and ran.count(NONE) == c.explore_after - 1
+    # (the chain is probed there every probe_every steps, and its own times there decide from then on)
+    ran = [c.next_shape(512) for _ in range(c.probe_every)]
+    assert ran.count(CHAIN3.name) == 1
 
 
 def test_an_untimed_shape_is_priced_at_the_live_over_prior_ratio():
