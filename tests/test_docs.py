@@ -88,10 +88,20 @@ def test_the_several_clients_table_takes_each_sides_best_server():
     servers = {"eagle3 auto": {"tok_s_total": 250.0, "tpot_ms_median": 14.0},
                "eagle3 none": {"tok_s_total": 240.0, "tpot_ms_median": 15.0},
                "vllm none": {"tok_s_total": 100.0, "tpot_ms_median": 35.0}}
-    row = {"kind": "k", "cpu": "CPU X", "threads": 2, "served_file": "r.json",
-           "served": {"at_once": {"8": {"servers": servers, "eagle3_best": "eagle3 auto", "vllm_best": "vllm none",
-                                        "eagle3_best_vs_vllm_best": 2.5}}}}
+    row = {"kind": "k", "cpu": "CPU X", "threads": 2, "many_file": "r.json",
+           "many": {"8": {"servers": servers, "eagle3_best": "eagle3 auto", "vllm_best": "vllm none",
+                          "eagle3_best_vs_vllm_best": 2.5}}}
     table = results_page.at_once_table([row], "p/")
     assert "| CPU X (2) | 8 | **250.0** (eagle3 auto, 14.0 ms) | 100.0 (vllm none, 35.0 ms) | 2.50x ([json](p/r.json)) |" \
         in table
-    assert results_page.at_once_table([{**row, "served": {"at_once": {}}}], "p/") == ""
+    assert results_page.at_once_table([{**row, "many": {}}], "p/") == ""
+    # the serving recipe's record, where a host has one, gives the table; else the demo bundle's served record
+    R, P = results_page.Result, Path("x.json")
+    demo = {"runtime": {"spec": {"decode_tok_s": 2.0}, "plain": {"decode_tok_s": 1.0}}, "transformers_eager": {"decode_tok_s": 1.0}}
+    rec = lambda level: {"contenders": {}, "at_once": {level: row["many"]["8"]}}  # noqa: E731
+    both = [R(P, results_page.IN_PROCESS, "k", demo), R(Path("s.json"), results_page.SERVED, "k", rec("4")),
+            R(Path("m.json"), results_page.SERVED_MANY, "k", rec("8"))]
+    (r,) = results_page.speed_rows(both)
+    assert (list(r["many"]), r["many_file"]) == (["8"], "m.json")
+    (r,) = results_page.speed_rows(both[:2])
+    assert (list(r["many"]), r["many_file"]) == (["4"], "s.json")
