@@ -42,11 +42,11 @@ class Chooser:
     (`observe_time`). `half_life`: rounds for an acceptance observation's weight to halve; `margin`: how much
     faster (fraction) another shape must look before a switch; `probe_every`: steps between two probes of the
     alternative (plain decoding while speculating, the best speculative shape while not); `explore_after`: the
-    same while the alternative has run fewer than `min_timed` steps; `window`: live
-    step times kept per shape and context bucket (their median is its cost there once it has `min_timed`: a longer
-    context costs every shape more, so shapes are compared within one); `preferred`: the shape to start on when it looks within
-    the margin of the best speculative one and faster than plain decoding (the bucket's own: start-up timing
-    noise must not pick among near-equal shapes)."""
+    same while the alternative has run fewer than `min_timed` steps; `window`: live step times kept per shape
+    and KV context bucket (their median is its cost there once it has `min_timed`: a longer context costs every
+    shape more, so shapes are compared within one); `preferred`: the shape to start on when it looks within the
+    margin of the best speculative one and faster than plain decoding (the bucket's own: start-up timing noise
+    must not pick among near-equal shapes)."""
 
     candidates: list[Candidate]
     half_life: float = 100.0

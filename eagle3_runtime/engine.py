@@ -544,6 +544,8 @@ class Engine:
             before = chooser.current
             chooser.observe_time(name, time.perf_counter() - t0)
             self._chose(bsz, chooser, before)
+            if self.target_passes % 64 == 0:  # (the expected rates follow live times between switches too)
+                self.metrics.record_choice(bsz, chooser)
         return kind
 
     def _chose(self, bsz: int, chooser: Chooser, before: str) -> None:
