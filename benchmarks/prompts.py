@@ -1,6 +1,7 @@
 """The prompt sets every benchmark draws from, by name, and their encoding in a bundle's chat template."""
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import sys
@@ -28,9 +29,10 @@ def texts(spec: str, n: int | None = None) -> list[str]:
 
         qs = mtbench_questions()
         if spec == "mtbench-mix":  # (the i-th question of every category, then the (i+1)-th, ...)
-            cats = list(dict.fromkeys(q["category"] for q in qs))
-            nth = {id(q): sum(p["category"] == q["category"] for p in qs[:i]) for i, q in enumerate(qs)}
-            qs = sorted(qs, key=lambda q: (nth[id(q)], cats.index(q["category"])))
+            by_cat: dict[str, list] = {}
+            for q in qs:
+                by_cat.setdefault(q["category"], []).append(q)
+            qs = [q for rank in itertools.zip_longest(*by_cat.values()) for q in rank if q is not None]
         out = [q["turns"][0] for q in qs]
     elif spec.endswith(".jsonl"):
         rows = [json.loads(line) for line in Path(spec).read_text().splitlines() if line.strip()]
