@@ -54,10 +54,9 @@ def _record():
                         help="write the JSON result to benchmarks/results/NAME.<host-kind>.json")
 
 
-def _start(threads: int | None, huge_pages: bool = False) -> dict:
-    """Threads set, the host described (before anything is measured)."""
-    if huge_pages:
-        hosts.use_huge_pages()
+def _start(threads: int | None) -> dict:
+    """Pages and threads set as eagle3-serve sets them, the host described (before anything is measured)."""
+    hosts.use_huge_pages()
     return hosts.describe(hosts.threads(threads))
 
 
@@ -112,7 +111,7 @@ def engine(bundles: List[Path] = typer.Argument(..., help="BUNDLE_A BUNDLE_B"),
 
     if len(bundles) != 2:
         raise typer.BadParameter("give two bundles", param_hint="BUNDLES")
-    host = _start(threads, huge_pages=True)
+    host = _start(threads)
     try:
         res = engine_ab(bundles, host, prompts, num_prompts, max_tokens, repeats, chat)
     except BundleError as e:
@@ -254,7 +253,7 @@ def graph(bundles: List[Path] = typer.Argument(..., help="one or more bundle dir
 
     if profile is not None and (len(bundles) != 1 or not graphs):
         raise typer.BadParameter("--profile takes one bundle and --graphs", param_hint="--profile")
-    host = _start(threads, huge_pages=True)
+    host = _start(threads)
     try:
         res = g.profile(bundles[0], profile, host, graphs, position, repeats, top) if profile else \
             g.latency(bundles, host, graphs, position, repeats)
@@ -407,7 +406,7 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
             threads: Optional[int] = _threads(),
             ks: str = typer.Option("1,2,3,4", help="vLLM num_speculative_tokens to try"),
             eagle3: str = typer.Option("auto,none", help="eagle3-serve --speculation values (auto, none, always, or a "
-                                       "menu tag such as chain3)"),
+                                       "menu tag such as chain3); with @4k (none@4k): that server on 4 KB pages"),
             repeats: int = typer.Option(1, min=1),
             interleave: bool = typer.Option(False, help="every server up at once, each prompt through every "
                                             "contender in turn"),
@@ -455,8 +454,9 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
                               gap=gap, no_in_process=no_in_process, server_timeout=server_timeout,
                               neighbour=neighbour_duty, concurrency=levels,
                               concurrent_prompts=min(concurrent_prompts, len(texts)))
-    modes = _csv(eagle3)
-    makers = {f"eagle3 {m}": (lambda d, m=m: vv.eagle3_server(args, m, d)) for m in modes}
+    served = _csv(eagle3)
+    modes = [m for m in served if not m.endswith(vv.FOUR_K)]  # (in process: this process's pages, 2 MB)
+    makers = {f"eagle3 {m}": (lambda d, m=m: vv.eagle3_server(args, m, d)) for m in served}
     if not no_vllm:
         makers["vllm none"] = lambda d: vv.vllm_server(args, None, d)
         for kk in _ints("--ks", ks):

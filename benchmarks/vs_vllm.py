@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+from eagle3_runtime.launch import HUGE_PAGES_ENV
 
 from . import host as hosts
 from .prompts import encode
@@ -56,6 +57,7 @@ def install_vllm(venv: Path) -> None:
 def vllm_env(venv: Path, threads: int) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                OMP_NUM_THREADS=str(threads), VLLM_TARGET_DEVICE="cpu")
+    env.pop(HUGE_PAGES_ENV, None)  # (vLLM as its CPU docs run it: this process's own 2 MB pages are eagle3-serve's)
     iomp = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))
     if iomp:
         env["LD_PRELOAD"] = str(iomp[0])
@@ -76,12 +78,19 @@ def vllm_server(args, k: int | None, log_dir: Path) -> Server:
     return Server(cmd, f"vllm-k{k or 0}", log_dir, env=vllm_env(args.vllm_venv, args.threads))
 
 
+FOUR_K = "@4k"  # (an --eagle3 mode's suffix: that server with 4 KB pages, THP_MEM_ALLOC_ENABLE=0)
+
+
 def eagle3_server(args, mode: str, log_dir: Path) -> Server:
+    """eagle3-serve in --speculation `mode` (with FOUR_K: on 4 KB pages, against its default of 2 MB pages)."""
+    spec = mode.removesuffix(FOUR_K)
+
     def cmd(port: int) -> list[str]:
-        return eagle3_serve() + [str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--speculation", mode,
+        return eagle3_serve() + [str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--speculation", spec,
                                  "--threads", str(args.threads)]
 
-    return Server(cmd, f"eagle3-{mode}", log_dir, env=dict(os.environ, EAGLE3_SPECULATION=mode))
+    env = dict(os.environ, EAGLE3_SPECULATION=spec, **({HUGE_PAGES_ENV: "0"} if mode.endswith(FOUR_K) else {}))
+    return Server(cmd, f"eagle3-{mode.replace(FOUR_K, '-4k')}", log_dir, env=env)
 
 
 def run_pass(server: Server, texts: list[str], max_tokens: int, timeout: float) -> dict:
@@ -353,6 +362,10 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
     result = {"benchmark": "vs-vllm", "prompts": len(texts), "prompt_set": args.prompts, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "interleaved": args.interleave, "gap_s": args.gap, "bundle": str(args.bundle),
               "text_reference": ref_name, "contenders": contenders, "server_logs": str(log_dir)}
+    pages = {n.removesuffix(FOUR_K): round(contenders[n.removesuffix(FOUR_K)]["tok_s"] / c["tok_s"], 3)
+             for n, c in contenders.items() if n.endswith(FOUR_K) and n.removesuffix(FOUR_K) in contenders}
+    if pages:
+        result["huge_vs_4k_pages"] = pages
     if "eagle3 auto" in contenders and "eagle3 none" in contenders:
         result["eagle3_auto_vs_none"] = round(contenders["eagle3 auto"]["tok_s"] / contenders["eagle3 none"]["tok_s"], 3)
     vllm = {n: c for n, c in contenders.items() if n.startswith("vllm K") and not n.endswith(NEIGHBOURED)}
@@ -383,6 +396,8 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
               f"{result.get(f'served_vs_in_process_{mode}')}")
     for name, ratio in beside.items():
         print(f"{name}: with the neighbour / alone {ratio}")
+    for name, ratio in pages.items():
+        print(f"{name}: 2 MB pages / 4 KB pages {ratio}")
     for key in ("eagle3_auto_vs_none", "vllm_best", "eagle3_auto_vs_vllm_best"):
         if key in result:
             print(f"{key}: {result[key]}")

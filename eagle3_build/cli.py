@@ -725,8 +725,11 @@ def verify_cmd(
 def main() -> None:
     from typer.exceptions import TyperException
 
+    from eagle3_runtime.launch import use_huge_pages
+
     from .progress import quiet_known_warnings
 
+    use_huge_pages()  # (as the runtime serves: the GEMM formats are timed on weights in the pages served from)
     quiet_known_warnings()
 
     try:

@@ -2,6 +2,11 @@
 from a bundle, printed with its speed and acceptance (torchrun --nproc-per-node N -m eagle3_runtime.cli for TP)."""
 from __future__ import annotations
 
+if __name__ == "__main__":  # (python -m, torchrun -m: the pages set before torch is imported, as the console entry does)
+    from eagle3_runtime.launch import use_huge_pages
+
+    use_huge_pages()
+
 import json
 import os
 import sys

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Callable
 
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # (PyTorch's CPU allocator)
 PAUSE_ENV = "EAGLE3_PAUSE_AT"  # "<phase>" or "<phase>:lost" (the pause swallows the KeyboardInterrupt, as C code can)
 SIGNALS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 _signals: list[int] = []
@@ -66,7 +67,17 @@ def phase(name: str, stopped: Callable[[], bool] = lambda: False) -> None:
             raise
 
 
+def use_huge_pages() -> None:
+    """2 MB pages for torch's large CPU tensors (weights, KV cache), unless $THP_MEM_ALLOC_ENABLE says otherwise
+    (0: 4 KB pages). PyTorch's allocator then aligns them to 2 MB and asks the kernel for huge pages (madvise),
+    which is what counts where transparent huge pages are "madvise": fewer TLB misses while a step streams every
+    weight (docs/serving.md, Memory pages). Torch reads the variable at its first allocation, so this runs before
+    torch is imported."""
+    os.environ.setdefault(HUGE_PAGES_ENV, "1")
+
+
 def _main(module: str) -> int:
+    use_huge_pages()
     for sig in SIGNALS:  # (not where the parent ignores one: a shell's `cmd &` ignores SIGINT)
         if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):
             signal.signal(sig, _on_signal)

@@ -24,6 +24,11 @@ end the server within a few seconds (in-flight requests get GRACE_SECONDS to fin
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # (python -m, torchrun -m: the pages set before torch is imported, as the console entry does)
+    from eagle3_runtime.launch import use_huge_pages
+
+    use_huge_pages()
+
 import asyncio
 import concurrent.futures
 import contextlib

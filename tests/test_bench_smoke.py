@@ -156,26 +156,28 @@ def test_engine_smoke(tiny_bundles, tmp_path):
 @pytest.mark.slow  # (a benchmark, not a product component)
 def test_vs_vllm_interleaved_smoke(tiny_bundles, tmp_path):
     """vs-vllm --interleave, ours only: both servers up at once and the in-process engines, each prompt through
-    every contender in turn; every contender's outputs equal plain greedy decoding's; each server's start and its
-    CPU use after a request measured; then the prompts as a closed loop of 2 clients, the same outputs."""
+    every contender in turn (plain decoding also on 4 KB pages); every contender's outputs equal plain greedy
+    decoding's; each server's start and its CPU use after a request measured; then the prompts as a closed loop of 2
+    clients, the same outputs."""
     _, bundle = tiny_bundles.get("speculators", 3)
     prompts = tmp_path / "p.txt"
     prompts.write_text("The quick brown fox\nOnce upon a time\nName a color.\n")
     res = _run_bench("vs-vllm", "--bundle", str(bundle), "--no-vllm", "--prompts", str(prompts), "--num-prompts",
-                     "3", "--max-tokens", "12", "--threads", "1", "--eagle3", "chain3,none", "--interleave",
+                     "3", "--max-tokens", "12", "--threads", "1", "--eagle3", "chain3,none,none@4k", "--interleave",
                      "--gap", "0", "--neighbour", "0.01/0.02", "--concurrency", "1,2", "--save-result",
                      str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text()) == res and res["interleaved"]
     _recorded(res)
-    assert set(res["contenders"]) == {"eagle3 chain3", "eagle3 none", "eagle3 chain3 +neighbour",
-                                      "eagle3 none +neighbour"} and set(res["in_process"]) == {"chain3", "none"}
-    assert set(res["with_neighbour_vs_alone"]) == {"eagle3 chain3", "eagle3 none"} and res["neighbour"]["busy_s"] == 0.01
+    served = {"eagle3 chain3", "eagle3 none", "eagle3 none@4k"}
+    assert set(res["contenders"]) == served | {f"{n} +neighbour" for n in served}
+    assert set(res["in_process"]) == {"chain3", "none"} and set(res["huge_vs_4k_pages"]) == {"eagle3 none"}
+    assert set(res["with_neighbour_vs_alone"]) == served and res["neighbour"]["busy_s"] == 0.01
     assert all(c["same_text_as_plain"] == 3 and c["tokens"] > 0 for c in res["contenders"].values())
     assert res["contenders"]["eagle3 chain3"]["acceptance_length"] >= 1.0
     assert res["served_vs_in_process_chain3"] > 0 and res["served_vs_in_process_none"] > 0
     assert all(c["start_s"] > 0 and c["spin_after_request_s"] >= 0 for c in res["contenders"].values())
     two = res["at_once"]["2"]
-    assert set(two["servers"]) == {"eagle3 chain3", "eagle3 none"} and res["concurrent_prompts"] == 3
+    assert set(two["servers"]) == served and res["concurrent_prompts"] == 3
     assert all(r["same_text_as_one_at_a_time"] == 3 and r["tok_s_total"] > 0 and r["tpot_ms_median"] > 0
                for r in two["servers"].values()) and two["vllm_best"] is None
 

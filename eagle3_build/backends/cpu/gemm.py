@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_runtime.launch import HUGE_PAGES_ENV
 from eagle3_runtime.manifest import BLOCKED, BLOCKED_FORMATS, ONEDNN_FORMATS
 from eagle3_runtime.packing import BLOCKED_DTYPES, FORMATS, ONEDNN_ROWS, cpu_model, pack_weight, packed_linear
 
@@ -291,7 +292,7 @@ def choose(shapes: list[tuple[int, int]], rows: list[int], formats: list[str], c
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
              "capability": torch.backends.cpu.get_cpu_capability(), "formats": [PLAIN, *formats],
              "shapes": sorted({(o, i, shapes.count((o, i))) for o, i in shapes}), "onednn_rows": ONEDNN_ROWS,
-             "repeats": REPEATS, "rounds": ROUNDS}
+             "repeats": REPEATS, "rounds": ROUNDS, "huge_pages": os.environ.get(HUGE_PAGES_ENV, "0")}
     if set(BLOCKED_FORMATS) & set(formats):
         ident |= {"blocked_kernel": inductor.kernel_tag(), "blockings": "inductor's, one-pass"}
     if inductor.isa_config()[0]:  # (what the aoti backend compiles blocked candidates for: its codegen())
