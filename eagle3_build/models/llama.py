@@ -297,12 +297,19 @@ def attend(q, k_new, v_new, cache: KVCache, layer: int, at: Where):
     """Write k/v of this step into the static cache, then attend.
 
     q [b, H, T, d]; k_new/v_new [b, Hkv, T, d]. Prefill attends over its own fresh keys (causal, the
-    prompt starts at 0); every other call attends over cache rows 0..b-1 where `at.visible`.
+    prompt starts at 0); every other call attends over cache rows 0..b-1 where `at.visible` (a verify's or tree's
+    queries: the query heads of each KV head folded into its query rows, so SDPA passes over that head's keys once).
     """
     cache.write(layer, at.rows, at.slots, k_new, v_new)
     if at.prefill:
         return F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, enable_gqa=True)
     keys, values = cache.read(layer, q.shape[0], at.visible.shape[-1])
+    b, H, T, d = q.shape
+    G = H // keys.shape[1]
+    if T > 1 and G > 1:  # each KV head's G query heads as G*T query rows of one head: one pass over its keys
+        mask = at.visible[:, None, None].expand(b, 1, G, T, -1).reshape(b, 1, G * T, -1)
+        o = F.scaled_dot_product_attention(q.reshape(b, H // G, G * T, d), keys, values, attn_mask=mask)
+        return o.view(b, H, T, d)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=at.visible[:, None], enable_gqa=True)
 
 
