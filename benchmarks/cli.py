@@ -55,8 +55,12 @@ def _record():
 
 
 def _start(threads: int | None) -> dict:
-    """Pages and threads set as eagle3-serve sets them, the host described (before anything is measured)."""
-    hosts.use_huge_pages()
+    """Pages and threads set as eagle3-serve sets them, the host described (before anything is measured). (With
+    4 KB pages the bundle loaded first into a process also ran slower than the one loaded after it: the engine
+    A/B's bias, benchmarks/results/smollm2-engine-ab-same-bundle-{4k-pages,thp}.intel-xeon-avx512.json.)"""
+    from eagle3_runtime.launch import use_huge_pages
+
+    use_huge_pages()
     return hosts.describe(hosts.threads(threads))
 
 
@@ -455,6 +459,10 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
                               neighbour=neighbour_duty, concurrency=levels,
                               concurrent_prompts=min(concurrent_prompts, len(texts)))
     served = _csv(eagle3)
+    odd = [m for m in served if "@" in m and not m.endswith(vv.FOUR_K)]
+    if odd:
+        raise typer.BadParameter(f"{odd[0]!r}: the only suffix is {vv.FOUR_K} (that server on 4 KB pages)",
+                                 param_hint="--eagle3")
     modes = [m for m in served if not m.endswith(vv.FOUR_K)]  # (in process: this process's pages, 2 MB)
     makers = {f"eagle3 {m}": (lambda d, m=m: vv.eagle3_server(args, m, d)) for m in served}
     if not no_vllm:

@@ -54,15 +54,6 @@ def summary(host: dict) -> str:
             + (f", {host['busy_cores_start']} cores busy at the start" if host.get("busy_cores_start") else ""))
 
 
-def use_huge_pages() -> None:
-    """2 MB pages for the process's tensors, as eagle3-run / eagle3-serve have them (eagle3_runtime.launch): with
-    4 KB pages the bundle loaded first into a process also ran slower than the one loaded after it (the engine
-    A/B's bias: benchmarks/results/smollm2-engine-ab-same-bundle-{4k-pages,thp}.intel-xeon-avx512.json)."""
-    from eagle3_runtime.launch import use_huge_pages as runtime_pages
-
-    runtime_pages()
-
-
 NEIGHBOUR = ("import sys, time\nbusy, period = float(sys.argv[1]), float(sys.argv[2])\nwhile True:\n"
              "    t = time.perf_counter()\n    while time.perf_counter() - t < busy:\n        pass\n"
              "    time.sleep(period - busy)\n")

@@ -69,7 +69,8 @@ def test_usage_errors_are_one_line():
                         (["shapes", "--phases", "decode,nope"], "nope"), (["engine", "a"], "two bundles"),
                         (["serve"], "--bundle"), (["demo", "/nonexistent-bundle"], "no manifest.json; not a bundle"),
                         (["vs-vllm", "--bundle", "b", "--no-vllm", "--concurrency", "1,4"], "--interleave"),
-                        (["vs-vllm", "--bundle", "b", "--no-vllm", "--concurrency", "0"], "--concurrency")):
+                        (["vs-vllm", "--bundle", "b", "--no-vllm", "--concurrency", "0"], "--concurrency"),
+                        (["vs-vllm", "--bundle", "b", "--no-vllm", "--eagle3", "auto@8k"], "auto@8k")):
         r = _bench(*args)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 

@@ -9,10 +9,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from eagle3_runtime.launch import HUGE_PAGES_ENV, use_huge_pages
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Runs `start` (--help) in a fresh interpreter; prints what $THP_MEM_ALLOC_ENABLE was when torch was first imported
 # (by the command, or after it where its --help needs no torch: what the command's own work would see).
@@ -71,8 +70,6 @@ HUGE = textwrap.dedent("""
     import re, torch
     x = torch.ones(64 << 18)  # 64 MB, touched
     start = x.data_ptr()
-    for block in open("/proc/self/smaps").read().split("\\n"):
-        pass
     text = open("/proc/self/smaps").read()
     kb = 0
     for head, body in re.findall(r"^([0-9a-f]+-[0-9a-f]+) .*?\\n((?:[A-Z][^\\n]*\\n)+)", text, re.M):
