@@ -426,6 +426,8 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
                                             "N clients, for each N > 1 here (e.g. 1,4,8); vLLM then runs its default "
                                             "scheduler"),
             concurrent_prompts: int = typer.Option(16, min=1, help="prompts per closed loop (--concurrency)"),
+            concurrent_repeats: int = typer.Option(1, min=1, help="closed loops per server and level (--concurrency), "
+                                                   "the servers' order rotated each time; their totals merged"),
             no_in_process: bool = typer.Option(False, help="no in-process pass"),
             server_timeout: float = typer.Option(900.0),
             plot: Optional[Path] = typer.Option(None, help="a bar chart here"),
@@ -457,7 +459,8 @@ def vs_vllm(bundle: Path = typer.Option(..., help="the eagle3 bundle"),
                               max_tokens=max_tokens, threads=host["threads"], repeats=repeats, interleave=interleave,
                               gap=gap, no_in_process=no_in_process, server_timeout=server_timeout,
                               neighbour=neighbour_duty, concurrency=levels,
-                              concurrent_prompts=min(concurrent_prompts, len(texts)))
+                              concurrent_prompts=min(concurrent_prompts, len(texts)),
+                              concurrent_repeats=concurrent_repeats)
     served = _csv(eagle3)
     odd = [m for m in served if "@" in m and not m.endswith(vv.FOUR_K)]
     if odd:

