@@ -165,8 +165,8 @@ def test_vs_vllm_interleaved_smoke(tiny_bundles, tmp_path):
     prompts.write_text("The quick brown fox\nOnce upon a time\nName a color.\n")
     res = _run_bench("vs-vllm", "--bundle", str(bundle), "--no-vllm", "--prompts", str(prompts), "--num-prompts",
                      "3", "--max-tokens", "12", "--threads", "1", "--eagle3", "chain3,none,none@4k", "--interleave",
-                     "--gap", "0", "--neighbour", "0.01/0.02", "--concurrency", "1,2", "--concurrent-repeats", "2", "--save-result",
-                     str(tmp_path / "r.json"))
+                     "--gap", "0", "--neighbour", "0.01/0.02", "--concurrency", "1,2", "--concurrent-repeats", "2",
+                     "--save-result", str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text()) == res and res["interleaved"]
     _recorded(res)
     served = {"eagle3 chain3", "eagle3 none", "eagle3 none@4k"}
