@@ -156,7 +156,8 @@ def quiet_gap(servers: dict[str, Server], given: float | None, timeout: float) -
 
 def closed_loop(server: Server, model: str, texts: list[str], clients: int, max_tokens: int, timeout: float) -> dict:
     """Every text once through `clients` clients at once, each sending its next request when its last one ends
-    (a closed loop): total tok/s over the wall time, each request as chat_stream gives it."""
+    (a closed loop): total tok/s over the wall time, each request as chat_stream gives it (`merge_loops`: the
+    medians)."""
     todo, reqs, lock = list(reversed(range(len(texts)))), {}, threading.Lock()
 
     def client() -> None:
@@ -175,9 +176,7 @@ def closed_loop(server: Server, model: str, texts: list[str], clients: int, max_
     wall = time.perf_counter() - t0
     ordered = [reqs[i] for i in range(len(texts))]
     return {"clients": clients, "wall_s": round(wall, 3), "requests": ordered,
-            "tok_s_total": round(sum(r["tokens"] for r in ordered) / wall, 2),
-            "tpot_ms_median": round(1e3 * statistics.median(r["tpot"] for r in ordered if r["tpot"]), 2),
-            "ttft_ms_median": round(1e3 * statistics.median(r["ttft"] for r in ordered), 1)}
+            "tok_s_total": round(sum(r["tokens"] for r in ordered) / wall, 2)}
 
 
 def concurrent_passes(servers: dict[str, Server], texts: list[str], levels: list[int], max_tokens: int, gap: float,
